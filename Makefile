@@ -1,0 +1,39 @@
+# Quick start: `make demo` and `make test` each install what they need first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export DAGSTER_HOME ?= $(CURDIR)/.dagster
+export EAGLE3_ROOT ?= $(CURDIR)/.eagle3
+# Two cores here: keep torch from oversubscribing them when several processes run.
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export DAGSTER_DISABLE_TELEMETRY ?= 1
+
+.PHONY: install demo test ui bench clean
+
+$(BIN)/.installed: pyproject.toml scripts/install.sh
+	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
+	touch $@
+
+install: $(BIN)/.installed $(DAGSTER_HOME)/dagster.yaml
+
+# The instance config lives in the repo; DAGSTER_HOME gets a copy (refreshed when the repo's is newer).
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $@
+
+demo: install
+	$(BIN)/python -m eagle3_assets.demo_run
+
+test: install
+	$(BIN)/python -m pytest -x -q eagle3_assets_tests
+
+ui: install
+	$(BIN)/python -m eagle3_assets.ui
+
+bench: install
+	$(BIN)/python benchmarks/bench_vocab_map.py
+
+clean:
+	rm -rf $(VENV) .dagster .eagle3

@@ -1,0 +1,196 @@
+"""The artifact store: every artifact the pipeline writes goes through here.
+
+The root is any fsspec URL (`/data/eagle3`, `file:///data/eagle3`, `memory://run`,
+`s3://bucket/eagle3`). Writes are atomic (DESIGN §2): bytes go to a temporary name
+in the same directory and are renamed into place, so a crash never leaves a file
+that looks complete. Temporary names start with a dot and are never listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+TMP_MARK = ".tmp-"
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the artifact and the cause."""
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
+
+
+class ArtifactStore:
+    """Relative paths under one fsspec root, with atomic writes."""
+
+    def __init__(self, root: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None):
+        self.url = str(root)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.root = self.root.rstrip("/") or "/"
+        self._cache_dir = Path(cache_dir) if cache_dir else None
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({self.url!r})"
+
+    # -- paths -------------------------------------------------------------
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def path(self, rel: str) -> str:
+        """The filesystem path of `rel` (what `self.fs` understands)."""
+        rel = rel.strip("/")
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def url_of(self, rel: str) -> str:
+        """A URL a person can paste: `file:///…`, `memory://…`, `s3://…`."""
+        return self.fs.unstrip_protocol(self.path(rel))
+
+    def local_path(self, rel: str) -> Path | None:
+        """The local path of `rel` when the store is on the local filesystem, else None."""
+        return Path(self.path(rel)) if self.is_local else None
+
+    # -- reading -----------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self.path(rel)))
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under `rel`, temporaries excluded, sorted. Missing dir -> []."""
+        p = self.path(rel)
+        if not self.fs.exists(p):
+            return []
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(p, detail=False)]
+        return sorted(n for n in names if not _is_tmp(n))
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            return self.fs.cat_file(self.path(rel))
+        except FileNotFoundError as e:
+            raise StoreError(f"artifact not found: {self.url_of(rel)}") from e
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_text(rel))
+
+    def open(self, rel: str, mode: str = "rb") -> IO[Any]:
+        if "r" not in mode:
+            raise ValueError("ArtifactStore.open is for reading; write with open_atomic/write_*")
+        return self.fs.open(self.path(rel), mode)
+
+    # -- atomic writing ----------------------------------------------------
+    def _tmp_name(self, rel: str) -> str:
+        parent, _, name = self.path(rel).rpartition("/")
+        return f"{parent}/.{name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+
+    def _makedirs_for(self, rel: str) -> None:
+        parent = self.path(rel).rpartition("/")[0]
+        try:
+            self.fs.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create directory {self.fs.unstrip_protocol(parent)}: {e}") from e
+
+    @contextmanager
+    def open_atomic(self, rel: str, mode: str = "wb") -> Iterator[IO[Any]]:
+        """Open a temporary file; on clean exit it is renamed to `rel`, on error it is removed."""
+        self._makedirs_for(rel)
+        tmp = self._tmp_name(rel)
+        try:
+            f = self.fs.open(tmp, mode)
+        except OSError as e:
+            raise StoreError(f"cannot write {self.url_of(rel)}: {e}") from e
+        try:
+            with f:
+                yield f
+            self.fs.mv(tmp, self.path(rel))
+        except BaseException:
+            try:
+                if self.fs.exists(tmp):
+                    self.fs.rm(tmp)
+            except OSError:
+                pass
+            raise
+
+    def write_bytes(self, rel: str, data: bytes) -> int:
+        with self.open_atomic(rel, "wb") as f:
+            f.write(data)
+        return len(data)
+
+    def write_text(self, rel: str, text: str) -> int:
+        return self.write_bytes(rel, text.encode("utf-8"))
+
+    def write_json(self, rel: str, obj: Any) -> int:
+        return self.write_text(rel, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+    def remove(self, rel: str, *, recursive: bool = False) -> None:
+        p = self.path(rel)
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=recursive)
+
+    def remove_temporaries(self, rel_dir: str) -> int:
+        """Delete leftovers of writers that died under `rel_dir`; returns how many."""
+        p = self.path(rel_dir)
+        if not self.fs.exists(p):
+            return 0
+        stale = [e for e in self.fs.ls(p, detail=False) if _is_tmp(e.rstrip("/").rsplit("/", 1)[-1])]
+        for e in stale:
+            self.fs.rm(e, recursive=True)
+        return len(stale)
+
+    # -- directories (model checkpoints, exports) --------------------------
+    def put_dir(self, local_dir: str | os.PathLike[str], rel: str) -> None:
+        """Copy a local directory to `rel`, replacing it; the new content appears by one rename."""
+        self._makedirs_for(rel)
+        tmp = self._tmp_name(rel)
+        try:
+            self.fs.put(str(local_dir).rstrip("/") + "/", tmp, recursive=True)
+            if self.fs.exists(self.path(rel)):
+                self.fs.rm(self.path(rel), recursive=True)
+            self.fs.mv(tmp, self.path(rel), recursive=True)
+        except BaseException:
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp, recursive=True)
+            raise
+
+    def ensure_local_dir(self, rel: str) -> Path:
+        """A local directory holding `rel`: the directory itself on a local store, else a cached copy.
+
+        Engines (transformers, vLLM) load models from local paths only.
+        """
+        local = self.local_path(rel)
+        if local is not None:
+            return local
+        cache = self._cache_dir or Path(tempfile.gettempdir()) / "eagle3-store-cache"
+        target = cache / rel.strip("/")
+        if not target.exists():
+            tmp = target.with_name(target.name + TMP_MARK + uuid.uuid4().hex[:8])
+            tmp.mkdir(parents=True)
+            self.fs.get(self.path(rel).rstrip("/") + "/", str(tmp), recursive=True)
+            tmp.rename(target)
+        return target
+
+    # -- space ---------------------------------------------------------------
+    def free_bytes(self) -> int | None:
+        """Free space under the root, or None where it cannot be known (object stores, memory)."""
+        if not self.is_local:
+            return None
+        p = Path(self.root)
+        while not p.exists():
+            p = p.parent
+        return shutil.disk_usage(p).free
