@@ -88,6 +88,9 @@ class Settings(_Section):
 
     target_model: str | None = Field(None, description="HF model directory (local or fsspec URL); None = demo target")
     prompts: str | None = Field(None, description="JSONL of prompts (local or fsspec URL); None = demo prompts")
+    eval_prompts: str | None = Field(
+        None, description="JSONL of held-out prompts for drafter_eval, never used in training; None = demo's"
+    )
     shard_size: int = Field(2000, ge=1, description="rows per hidden-state shard")
     aux_layer_ids: list[int] | None = Field(
         None, description="aux layers, 'input of layer i' ids; default [2, N//2, N-3]"

@@ -8,6 +8,7 @@ that looks complete. Temporary names start with a dot and are never listed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -177,7 +178,7 @@ class ArtifactStore:
         if local is not None:
             return local
         cache = self._cache_dir or Path(tempfile.gettempdir()) / "eagle3-store-cache"
-        target = cache / rel.strip("/")
+        target = cache / hashlib.sha1(self.url.encode()).hexdigest()[:12] / rel.strip("/")
         if not target.exists():
             tmp = target.with_name(target.name + TMP_MARK + uuid.uuid4().hex[:8])
             tmp.mkdir(parents=True)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
+from transformers import PreTrainedTokenizerBase
 
+from eagle3_assets.chat import ChatTemplateError, render_with_loss_mask
 from eagle3_assets.storage import ArtifactStore
 
 TOKENIZED_FILE = "tokenized/tokenized.safetensors"
@@ -83,3 +85,62 @@ class TokenizedSet:
     @classmethod
     def load(cls, store: ArtifactStore) -> TokenizedSet:
         return cls.from_bytes(store.read_bytes(TOKENIZED_FILE))
+
+
+@dataclass(frozen=True)
+class TokenizeSummary:
+    rows_in: int
+    rows: int
+    rows_failed_generation: int  # responses rows with an error, skipped
+    rows_truncated: int
+    rows_dropped_overlong: int
+    rows_dropped_no_assistant_tokens: int
+    tokens: int
+    loss_tokens: int
+    max_row_tokens: int
+    mean_row_tokens: float
+
+
+def tokenize_responses(
+    records: list[dict], tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, overlong: str
+) -> tuple[TokenizedSet, TokenizeSummary]:
+    """Render every successful conversation; truncate or drop rows over `max_seq_len`."""
+    rows: list[tuple[list[int], list[int]]] = []
+    row_ids: list[int] = []
+    failed = truncated = dropped_long = dropped_empty = 0
+    for record in records:
+        if record.get("error"):
+            failed += 1
+            continue
+        try:
+            rendered = render_with_loss_mask(tokenizer, record["messages"])
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"responses row {record.get('row')} (id {record.get('id')}): {e}") from None
+        ids, mask = rendered.input_ids, rendered.loss_mask
+        if len(ids) > max_seq_len:
+            if overlong == "drop":
+                dropped_long += 1
+                continue
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            truncated += 1
+        if not any(mask):
+            dropped_empty += 1
+            continue
+        rows.append((ids, mask))
+        row_ids.append(int(record["row"]))
+    if not rows:
+        raise ValueError(f"no usable rows out of {len(records)} responses ({failed} failed generation)")
+    tset = TokenizedSet.from_rows(rows, row_ids)
+    lengths = np.diff(tset.offsets)
+    return tset, TokenizeSummary(
+        rows_in=len(records),
+        rows=tset.num_rows,
+        rows_failed_generation=failed,
+        rows_truncated=truncated,
+        rows_dropped_overlong=dropped_long,
+        rows_dropped_no_assistant_tokens=dropped_empty,
+        tokens=tset.num_tokens,
+        loss_tokens=int(tset.loss_mask.sum()),
+        max_row_tokens=int(lengths.max()),
+        mean_row_tokens=round(float(lengths.mean()), 2),
+    )

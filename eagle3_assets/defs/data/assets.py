@@ -1,0 +1,245 @@
+"""From prompts to the draft vocabulary: prompts, target_model, responses, tokenized, token_freq, vocab_map."""
+
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+from dagster import (
+    AssetExecutionContext,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    ResourceParam,
+    asset,
+)
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from eagle3_assets.defs.observe import observe, to_metadata
+from eagle3_assets.defs.partitions import shard_partitions
+from eagle3_assets.generation import open_generator
+from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, PromptsError, dump_prompts, parse_prompts
+from eagle3_assets.responses import ResponsesError, generate_responses, read_responses
+from eagle3_assets.settings import SettingsError, read_model_shape
+from eagle3_assets.shards import plan_shards
+from eagle3_assets.storage import StoreError
+from eagle3_assets.target_model import TargetModelError, inspect_target, load_tokenizer
+from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
+from eagle3_assets.vocab_map import TOKEN_FREQ_FILE, VOCAB_MAP_FILE, build_vocab_map, token_frequencies
+
+GROUP = "data"
+
+
+def _demo_prompt_texts(project: Project) -> tuple[str, str]:
+    from eagle3_assets.demo.prompts import demo_prompt_sets
+
+    train, heldout = demo_prompt_sets(project.settings.demo)
+    return (
+        "".join(json.dumps(p) + "\n" for p in train),
+        "".join(json.dumps(p) + "\n" for p in heldout),
+    )
+
+
+def _read_source(path: str, setting: str) -> str:
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Failure(f"{setting}: cannot read {path}: {e}") from None
+
+
+@asset(group_name=GROUP, kinds={"jsonl"})
+def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+    """The prompt set, validated line by line and copied into the store (demo: generated here)."""
+    settings, store = project.settings, project.store
+    if settings.prompts is None:
+        text, eval_text = _demo_prompt_texts(project)
+        source = "embedded demo prompts"
+    else:
+        text, source = _read_source(settings.prompts, "prompts"), settings.prompts
+        eval_text = _read_source(settings.eval_prompts, "eval_prompts") if settings.eval_prompts else None
+    try:
+        rows = parse_prompts(text, source)
+        eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
+    except PromptsError as e:
+        raise Failure(str(e)) from None
+    nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
+    if eval_rows:
+        store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
+    preview = "\n".join(f"- `{p.id}`: {p.messages[-1]['content'][:120]}" for p in rows[:5])
+    return MaterializeResult(
+        metadata={
+            "rows": len(rows),
+            "eval_rows": len(eval_rows),
+            "bytes": nbytes,
+            "source": source,
+            "path": store.url_of(PROMPTS_FILE),
+            "mean_prompt_chars": round(sum(len(p.messages[-1]["content"]) for p in rows) / len(rows), 1),
+            "preview": MetadataValue.md(preview),
+        }
+    )
+
+
+def _demo_target_current(project: Project) -> bool:
+    store = project.store
+    if not (store.exists(f"{DEMO_MODEL_DIR}/config.json") and store.exists(DEMO_MODEL_SETTINGS)):
+        return False
+    return store.read_json(DEMO_MODEL_SETTINGS) == project.settings.demo.model_dump()
+
+
+def _build_demo_target(context: AssetExecutionContext, project: Project) -> dict[str, object]:
+    from eagle3_assets.demo.target import build_demo_target
+
+    with tempfile.TemporaryDirectory(prefix="eagle3-demo-target-") as tmp:
+        info = build_demo_target(Path(tmp) / "model", project.settings.demo, log=context.log.info)
+        project.store.put_dir(Path(tmp) / "model", DEMO_MODEL_DIR)
+    project.store.write_json(DEMO_MODEL_SETTINGS, project.settings.demo.model_dump())
+    return {k: v for k, v in vars(info).items() if isinstance(v, int | float | str)}
+
+
+@asset(group_name=GROUP, kinds={"pytorch"})
+def target_model(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+    """The target LLM: the configured HF directory, validated; in the demo, a small model built once and cached."""
+    started = time.monotonic()
+    built: dict[str, object] = {}
+    if project.settings.is_demo:
+        if _demo_target_current(project):
+            context.log.info("demo target already built with these settings; reusing it")
+        else:
+            built = _build_demo_target(context, project)
+    try:
+        info = inspect_target(project.target_dir())
+        project.settings.check_against_model(num_layers=info.num_layers, vocab_size=info.vocab_size)
+    except (TargetModelError, SettingsError) as e:
+        raise Failure(str(e)) from None
+    aux = project.settings.resolved_aux_layer_ids(info.num_layers)
+    return MaterializeResult(
+        metadata={
+            **to_metadata(info.as_dict()),
+            "aux_layer_ids": MetadataValue.json(aux),
+            "hidden_state_bytes_per_token": 4 * info.hidden_size * 2,
+            "source": "built (demo)" if built else ("cached (demo)" if project.settings.is_demo else "configured"),
+            "seconds": round(time.monotonic() - started, 2),
+            **{f"demo_{k}": v for k, v in built.items() if k != "path"},
+        }
+    )
+
+
+@asset(group_name=GROUP, deps=[prompts, target_model], pool="gpu", kinds={"jsonl"})
+def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+    """The target's answer to every prompt, reasoning kept apart; resumable part by part."""
+    store, settings = project.store, project.settings
+    rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
+    generator = open_generator(project.target_dir(), settings.generation)
+    try:
+        summary = generate_responses(
+            store,
+            rows,
+            generator,
+            settings.generation,
+            on_progress=lambda p: observe(context, p.as_metadata()),
+            log=context.log.info,
+        )
+    except ResponsesError as e:
+        raise Failure(str(e)) from None
+    finally:
+        generator.close()
+    meta = summary.as_metadata()
+    return MaterializeResult(
+        metadata={
+            **to_metadata({k: v for k, v in meta.items() if k != "first_errors"}),
+            "error_rate": round(summary.rows_failed / max(1, summary.rows), 4),
+            "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
+            "backend": generator.name,
+            "path": store.url_of("responses/responses.jsonl"),
+        }
+    )
+
+
+@asset(group_name=GROUP, deps=[responses, target_model], kinds={"safetensors"})
+def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+    """Conversations rendered with the chat template; loss mask on assistant tokens; registers shard keys."""
+    store, settings = project.store, project.settings
+    tokenizer = load_tokenizer(project.target_dir())
+    try:
+        tset, summary = tokenize_responses(
+            read_responses(store), tokenizer, max_seq_len=settings.max_seq_len, overlong=settings.overlong
+        )
+    except ValueError as e:
+        raise Failure(str(e)) from None
+    nbytes = tset.save(store, metadata={"model": project.model_name, "max_seq_len": str(settings.max_seq_len)})
+    keys = [s.key for s in plan_shards(tset.num_rows, settings.shard_size)]
+    registered = set(context.instance.get_dynamic_partitions(shard_partitions.name))
+    stale = sorted(registered - set(keys))
+    for key in stale:
+        context.instance.delete_dynamic_partition(shard_partitions.name, key)
+    context.instance.add_dynamic_partitions(shard_partitions.name, [k for k in keys if k not in registered])
+    if stale:
+        context.log.warning(f"removed shard keys that no longer match the row count: {stale}")
+    return MaterializeResult(
+        metadata={
+            **to_metadata(vars(summary)),
+            "bytes": nbytes,
+            "shards": len(keys),
+            "shard_keys": MetadataValue.json(keys),
+            "path": store.url_of(TOKENIZED_FILE),
+        }
+    )
+
+
+@asset(group_name=GROUP, deps=[tokenized, target_model], kinds={"numpy"})
+def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
+    """How often each target token appears on loss-masked (assistant) positions."""
+    store = project.store
+    shape = read_model_shape(str(project.target_dir()))
+    if shape is None:
+        raise Failure(f"cannot read the target's vocab size from {project.target_dir()}/config.json")
+    tset = TokenizedSet.load(store)
+    try:
+        freq = token_frequencies(tset.input_ids, tset.loss_mask, shape[1])
+    except ValueError as e:
+        raise Failure(f"tokenized: {e}") from None
+    nbytes = store.write_bytes(TOKEN_FREQ_FILE, st_save({"counts": freq}))
+    top = np.argsort(-freq, kind="stable")[:10]
+    return MaterializeResult(
+        metadata={
+            "target_vocab": int(len(freq)),
+            "distinct_tokens": int(np.count_nonzero(freq)),
+            "loss_tokens": int(freq.sum()),
+            "top_ids": MetadataValue.json({int(i): int(freq[i]) for i in top}),
+            "bytes": nbytes,
+            "path": store.url_of(TOKEN_FREQ_FILE),
+        }
+    )
+
+
+@asset(group_name=GROUP, deps=[token_freq], kinds={"safetensors"})
+def vocab_map(project: ResourceParam[Project]) -> MaterializeResult:
+    """d2t/t2d (DESIGN §3): the `draft_vocab_size` most frequent target tokens."""
+    store, settings = project.store, project.settings
+    try:
+        freq = st_load(store.read_bytes(TOKEN_FREQ_FILE))["counts"]
+        vmap = build_vocab_map(freq, settings.draft_vocab_size)
+    except (StoreError, ValueError) as e:
+        raise Failure(f"vocab_map: {e}") from None
+    nbytes = store.write_bytes(
+        VOCAB_MAP_FILE,
+        st_save({"d2t": vmap.d2t, "t2d": vmap.t2d}, metadata={"draft_vocab_size": str(len(vmap.d2t))}),
+    )
+    covered = int(freq[vmap.t2d].sum())
+    return MaterializeResult(
+        metadata={
+            "draft_vocab_size": int(len(vmap.d2t)),
+            "target_vocab_size": int(len(vmap.t2d)),
+            "distinct_tokens_seen": int(np.count_nonzero(freq)),
+            "padding_ids": int(np.count_nonzero(freq[vmap.t2d] == 0)),
+            "loss_token_coverage": round(covered / max(1, int(freq.sum())), 6),
+            "bytes": nbytes,
+            "path": store.url_of(VOCAB_MAP_FILE),
+        }
+    )

@@ -1,0 +1,87 @@
+"""The prompt set: JSONL, one prompt per line, validated line by line.
+
+Each line is an object with an optional `id` and either `prompt` (a string) or
+`messages` (a chat ending with a user turn). Errors name the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PROMPTS_FILE = "prompts/prompts.jsonl"
+EVAL_PROMPTS_FILE = "prompts/eval_prompts.jsonl"
+
+_ROLES = {"system", "user", "assistant"}
+
+
+class PromptsError(ValueError):
+    """A prompt file that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)  # other fields (e.g. the demo's `kind`), kept as-is
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "messages": self.messages, **self.extra}
+
+
+def _parse_line(obj: Any, where: str, lineno: int) -> Prompt:
+    if not isinstance(obj, dict):
+        raise PromptsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    pid = str(obj.get("id", f"line-{lineno}"))
+    extra = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages"}}
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise PromptsError(f"{where} (id {pid}): 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
+                raise PromptsError(
+                    f"{where} (id {pid}): messages[{i}] must be an object with role in {sorted(_ROLES)} "
+                    "and a string 'content'"
+                )
+        if messages[-1]["role"] != "user":
+            raise PromptsError(f"{where} (id {pid}): the last message must be the user's, got {messages[-1]['role']!r}")
+        if not messages[-1]["content"].strip():
+            raise PromptsError(f"{where} (id {pid}): empty prompt (the last user message has no text)")
+    elif "prompt" in obj:
+        text = obj["prompt"]
+        if not isinstance(text, str):
+            raise PromptsError(f"{where} (id {pid}): 'prompt' must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise PromptsError(f"{where} (id {pid}): empty prompt")
+        messages = [{"role": "user", "content": text}]
+    else:
+        raise PromptsError(f"{where} (id {pid}): needs a 'prompt' string or a 'messages' list")
+    return Prompt(pid, messages, extra)
+
+
+def parse_prompts(text: str, source: str) -> list[Prompt]:
+    """All prompts in a JSONL text; raises PromptsError naming `source` and the line at fault."""
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptsError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+        prompt = _parse_line(obj, where, lineno)
+        if prompt.id in seen:
+            raise PromptsError(f"{where}: duplicate id {prompt.id!r} (first on line {seen[prompt.id]})")
+        seen[prompt.id] = lineno
+        prompts.append(prompt)
+    if not prompts:
+        raise PromptsError(f"{source}: no prompts")
+    return prompts
+
+
+def dump_prompts(prompts: list[Prompt]) -> str:
+    return "".join(json.dumps(p.to_json(), ensure_ascii=False) + "\n" for p in prompts)

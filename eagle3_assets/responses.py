@@ -1,0 +1,188 @@
+"""The `responses` artifact: the target's answer to every prompt, generated resumably.
+
+Rows are generated in parts of `rows_per_part` prompts; each part is written
+atomically to `responses/parts/part-NNNNN.jsonl`, so a killed run keeps every
+finished part and the rerun generates only what is missing (and retries rows that
+failed). When all parts exist they are joined into `responses/responses.jsonl`.
+A part is trusted only if it parses and holds exactly the prompt ids it should.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from eagle3_assets.generation.base import Completion, Generator
+from eagle3_assets.prompts import Prompt
+from eagle3_assets.settings import GenerationSettings
+from eagle3_assets.storage import ArtifactStore
+
+PARTS_DIR = "responses/parts"
+RESPONSES_FILE = "responses/responses.jsonl"
+
+
+class ResponsesError(RuntimeError):
+    """Too many rows failed; everything generated is kept and a rerun retries the failures."""
+
+
+@dataclass(frozen=True)
+class ResponsesProgress:
+    rows_done: int
+    rows_total: int
+    rows_generated: int  # in this run
+    rows_failed: int
+    completion_tokens: int  # in this run
+    seconds: float
+
+    def as_metadata(self) -> dict[str, float | int]:
+        rate = self.rows_generated / self.seconds if self.seconds > 0 else 0.0
+        left = self.rows_total - self.rows_done
+        return {
+            "rows_done": self.rows_done,
+            "rows_total": self.rows_total,
+            "rows_failed": self.rows_failed,
+            "rows_per_s": round(rate, 3),
+            "tokens_per_s": round(self.completion_tokens / self.seconds, 1) if self.seconds > 0 else 0.0,
+            "eta_s": round(left / rate, 1) if rate > 0 else -1.0,
+        }
+
+
+@dataclass(frozen=True)
+class ResponsesSummary:
+    rows: int
+    rows_failed: int
+    rows_reused: int  # taken from parts written by an earlier run
+    rows_generated: int
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    finish_length: int  # rows cut by max_new_tokens
+    bytes: int
+    seconds: float
+    first_errors: list[str]
+
+    def as_metadata(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def part_path(index: int) -> str:
+    return f"{PARTS_DIR}/part-{index:05d}.jsonl"
+
+
+def response_record(row: int, prompt: Prompt, c: Completion) -> dict[str, Any]:
+    messages = list(prompt.messages)
+    if c.error is None:
+        messages.append({"role": "assistant", "content": c.content, "reasoning_content": c.reasoning})
+    return {
+        "id": prompt.id,
+        "row": row,
+        "messages": messages,
+        "finish_reason": c.finish_reason,
+        "usage": {
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "reasoning_tokens": c.reasoning_tokens,
+        },
+        "error": c.error,
+        **prompt.extra,
+    }
+
+
+def _read_part(store: ArtifactStore, index: int, expected_ids: list[str]) -> list[dict[str, Any]] | None:
+    """The part's records if it is complete and matches the prompts, else None (it will be regenerated)."""
+    if not store.exists(part_path(index)):
+        return None
+    try:
+        records = [json.loads(line) for line in store.read_text(part_path(index)).splitlines()]
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if [r.get("id") for r in records] != expected_ids:
+        return None
+    return records
+
+
+def generate_responses(
+    store: ArtifactStore,
+    prompts: list[Prompt],
+    generator: Generator,
+    settings: GenerationSettings,
+    *,
+    on_progress: Callable[[ResponsesProgress], None] | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> ResponsesSummary:
+    started = time.monotonic()
+    store.remove_temporaries(PARTS_DIR)
+    size = settings.rows_per_part
+    num_parts = (len(prompts) + size - 1) // size
+    for stale in store.listdir(PARTS_DIR):
+        if stale.startswith("part-") and int(stale[5:10]) >= num_parts:
+            store.remove(f"{PARTS_DIR}/{stale}")
+
+    done = reused = generated = failed = new_tokens = 0
+    for index in range(num_parts):
+        first = index * size
+        chunk = prompts[first : first + size]
+        records = _read_part(store, index, [p.id for p in chunk])
+        redo = list(range(len(chunk))) if records is None else [i for i, r in enumerate(records) if r.get("error")]
+        if records is not None:
+            reused += len(chunk) - len(redo)
+        if redo:
+            completions = generator.generate([chunk[i].messages for i in redo])
+            records = records or [{} for _ in chunk]
+            for i, c in zip(redo, completions, strict=True):
+                records[i] = response_record(first + i, chunk[i], c)
+                new_tokens += c.completion_tokens
+            generated += len(redo)
+            store.write_text(part_path(index), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            log(f"responses: part {index + 1}/{num_parts} written ({len(redo)} rows generated)")
+        failed += sum(1 for r in records if r.get("error"))
+        done += len(chunk)
+        if on_progress is not None:
+            on_progress(ResponsesProgress(done, len(prompts), generated, failed, new_tokens, time.monotonic() - started))
+
+    return _join_parts(store, num_parts, reused, generated, settings, started)
+
+
+def _join_parts(
+    store: ArtifactStore, num_parts: int, reused: int, generated: int, settings: GenerationSettings, started: float
+) -> ResponsesSummary:
+    lines: list[str] = []
+    totals = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
+    errors: list[str] = []
+    finish_length = 0
+    for index in range(num_parts):
+        for line in store.read_text(part_path(index)).splitlines():
+            record = json.loads(line)
+            for k in totals:
+                totals[k] += record["usage"][k]
+            if record.get("error"):
+                errors.append(f"row {record['row']} (id {record['id']}): {record['error']}")
+            finish_length += record["finish_reason"] == "length"
+            lines.append(line + "\n")
+    nbytes = store.write_text(RESPONSES_FILE, "".join(lines))
+    summary = ResponsesSummary(
+        rows=len(lines),
+        rows_failed=len(errors),
+        rows_reused=reused,
+        rows_generated=generated,
+        bytes=nbytes,
+        finish_length=finish_length,
+        seconds=round(time.monotonic() - started, 3),
+        first_errors=errors[:5],
+        **totals,
+    )
+    rate = len(errors) / max(1, len(lines))
+    if rate > settings.max_error_rate:
+        raise ResponsesError(
+            f"{len(errors)} of {len(lines)} rows failed ({rate:.1%}), above generation.max_error_rate "
+            f"({settings.max_error_rate:.1%}); all rows are kept in {store.url_of(RESPONSES_FILE)} and a rerun "
+            f"retries the failed ones. First errors: " + "; ".join(errors[:5])
+        )
+    return summary
+
+
+def read_responses(store: ArtifactStore) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in store.read_text(RESPONSES_FILE).splitlines()]

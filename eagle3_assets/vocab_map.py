@@ -1,0 +1,62 @@
+"""Token frequencies and the draft vocabulary map (DESIGN §3, the contract vLLM and SGLang read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TOKEN_FREQ_FILE = "token_freq/token_freq.safetensors"
+VOCAB_MAP_FILE = "vocab_map/vocab_map.safetensors"
+
+
+def token_frequencies(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Counts of each id over loss-masked positions: int64 [vocab_size]."""
+    ids = input_ids[loss_mask.astype(bool)]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+        raise ValueError(f"token id {bad} outside the target vocabulary of {vocab_size}")
+    return np.bincount(ids, minlength=vocab_size).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class VocabMap:
+    d2t: np.ndarray  # [draft_vocab] int64: target id = draft id + d2t[draft id]
+    t2d: np.ndarray  # [target_vocab] bool: target id is in the draft vocab
+
+    @property
+    def draft_ids_to_target(self) -> np.ndarray:
+        return self.d2t + np.arange(len(self.d2t))
+
+
+def build_vocab_map(freq: np.ndarray, draft_vocab_size: int) -> VocabMap:
+    """The `draft_vocab_size` most frequent ids (ties: lower id first), zero-count ids filling the rest."""
+    if draft_vocab_size > len(freq):
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary ({len(freq)})")
+    # A stable sort on -count keeps ids in ascending order among equal counts, which is the
+    # tie rule, and puts unused ids (count 0) last in ascending order, which is the padding rule.
+    chosen = np.argsort(-freq, kind="stable")[:draft_vocab_size]
+    used = np.sort(chosen)
+    d2t = used - np.arange(draft_vocab_size, dtype=np.int64)
+    t2d = np.zeros(len(freq), dtype=bool)
+    t2d[used] = True
+    return VocabMap(d2t.astype(np.int64), t2d)
+
+
+def vocab_map_problems(vmap: VocabMap, *, draft_vocab_size: int, target_vocab_size: int) -> list[str]:
+    """Everything wrong with a map, empty when it keeps the contract."""
+    problems = []
+    if vmap.d2t.dtype != np.int64 or vmap.d2t.shape != (draft_vocab_size,):
+        problems.append(f"d2t is {vmap.d2t.dtype}{list(vmap.d2t.shape)}, expected int64[{draft_vocab_size}]")
+    if vmap.t2d.dtype != np.bool_ or vmap.t2d.shape != (target_vocab_size,):
+        problems.append(f"t2d is {vmap.t2d.dtype}{list(vmap.t2d.shape)}, expected bool[{target_vocab_size}]")
+    if problems:
+        return problems
+    targets = vmap.draft_ids_to_target
+    if not np.array_equal(np.flatnonzero(vmap.t2d), targets):
+        problems.append("nonzero(t2d) != d2t + arange(draft_vocab): the two maps disagree")
+    if np.any(np.diff(targets) <= 0):
+        problems.append("draft ids do not map to strictly increasing target ids")
+    if targets.size and (targets[0] < 0 or targets[-1] >= target_vocab_size):
+        problems.append(f"d2t maps outside the target vocabulary [0, {target_vocab_size})")
+    return problems

@@ -1,0 +1,107 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.storage import ArtifactStore, StoreError
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request, tmp_path) -> ArtifactStore:
+    if request.param == "file":
+        return ArtifactStore(tmp_path / "root")
+    return ArtifactStore(f"memory://eagle3-test-{uuid.uuid4().hex}")
+
+
+def test_write_read_list_roundtrip(store: ArtifactStore):
+    assert store.write_bytes("a/b/x.bin", b"\x00\x01") == 2
+    store.write_json("a/meta.json", {"rows": 3})
+    store.write_text("a/b/y.txt", "hello")
+    assert store.read_bytes("a/b/x.bin") == b"\x00\x01"
+    assert store.read_json("a/meta.json") == {"rows": 3}
+    assert store.listdir("a/b") == ["x.bin", "y.txt"]
+    assert store.listdir("missing") == []
+    assert store.size("a/b/y.txt") == 5
+    store.remove("a/b/x.bin")
+    assert not store.exists("a/b/x.bin")
+
+
+def test_failed_write_leaves_nothing_and_keeps_old_content(store: ArtifactStore):
+    store.write_text("f.txt", "old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.open_atomic("f.txt", "wb") as f:
+            f.write(b"new but half")
+            raise RuntimeError("boom")
+    assert store.read_text("f.txt") == "old"
+    assert store.listdir("") == ["f.txt"]
+    assert store.remove_temporaries("") == 0
+
+
+def test_missing_artifact_error_names_it(store: ArtifactStore):
+    with pytest.raises(StoreError, match=r"artifact not found: .*nothing/here\.json"):
+        store.read_json("nothing/here.json")
+
+
+def test_put_dir_replaces_whole_directory(store: ArtifactStore, tmp_path: Path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "sub" / "w.bin").write_bytes(b"123")
+    store.write_text("model/stale.txt", "old")
+    store.put_dir(src, "model")
+    assert store.listdir("model") == ["config.json", "sub"]
+    assert store.read_bytes("model/sub/w.bin") == b"123"
+    local = store.ensure_local_dir("model")
+    assert (local / "sub" / "w.bin").read_bytes() == b"123"
+
+
+def test_free_bytes_known_only_on_local_filesystems(tmp_path: Path):
+    assert ArtifactStore(tmp_path).free_bytes() > 0
+    assert ArtifactStore(f"memory://free-{uuid.uuid4().hex}").free_bytes() is None
+
+
+def test_writer_killed_mid_write_leaves_no_file_that_looks_complete(tmp_path: Path):
+    root = tmp_path / "root"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from eagle3_assets.storage import ArtifactStore
+        store = ArtifactStore({str(root)!r})
+        store.write_text("done.txt", "complete")
+        with store.open_atomic("big.bin", "wb") as f:
+            f.write(b"x" * 1000)
+            f.flush()
+            print("writing", flush=True)
+            time.sleep(60)
+            f.write(b"y" * 1000)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    store = ArtifactStore(root)
+    assert store.listdir("") == ["done.txt"]  # the temporary is hidden, big.bin absent
+    assert not store.exists("big.bin")
+    leftovers = [p.name for p in root.iterdir() if p.name.startswith(".big.bin.tmp-")]
+    assert len(leftovers) == 1
+    assert store.remove_temporaries("") == 1
+    assert sorted(p.name for p in root.iterdir()) == ["done.txt"]
+
+
+def test_read_only_store_error_names_the_path(tmp_path: Path):
+    if os.geteuid() == 0:
+        # root ignores permission bits; a path under a regular file is unwritable for anyone
+        (tmp_path / "file").write_text("x")
+        store = ArtifactStore(tmp_path / "file" / "root")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        store = ArtifactStore(tmp_path / "ro")
+    with pytest.raises(StoreError, match=r"cannot (write|create directory) .*"):
+        store.write_text("x/y.txt", "data")
