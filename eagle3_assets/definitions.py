@@ -1,20 +1,52 @@
-"""The Dagster code location: `dagster dev -m eagle3_assets.definitions` or `-w workspace.yaml`."""
+"""The Dagster code location: `dagster dev -w workspace.yaml` or `-m eagle3_assets.definitions`.
 
-from dagster import Definitions
+Settings come from $EAGLE3_CONFIG (the embedded demo without it) and artifacts live
+under $EAGLE3_ROOT; bad settings fail here, at load, with the field named.
+"""
 
-from eagle3_assets.defs.data import assets as data_assets
+from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus, Definitions, define_asset_job
+
+from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
+from eagle3_assets.defs.shards import assets as shards
+from eagle3_assets.defs.shards import checks as shard_checks
+from eagle3_assets.defs.shards.automation import shard_backfill_condition
 from eagle3_assets.project import Project
 
-defs = Definitions(
-    assets=[
-        data_assets.prompts,
-        data_assets.target_model,
-        data_assets.responses,
-        data_assets.tokenized,
-        data_assets.token_freq,
-        data_assets.vocab_map,
-    ],
-    asset_checks=[data_checks.vocab_map_invariant],
-    resources={"project": Project.from_environment()},
-)
+
+def build_definitions(project: Project) -> Definitions:
+    hidden_states = shards.hidden_states.with_attributes(
+        automation_condition=shard_backfill_condition(project.settings.extraction.backfill_cron)
+    )
+    return Definitions(
+        assets=[
+            data.prompts,
+            data.target_model,
+            data.responses,
+            data.tokenized,
+            data.token_freq,
+            data.vocab_map,
+            hidden_states,
+        ],
+        asset_checks=[data_checks.vocab_map_invariant, shard_checks.shard_integrity, shard_checks.all_shards_integrity],
+        jobs=[
+            define_asset_job(
+                "verify_shards",
+                selection=AssetSelection.checks(shard_checks.all_shards_integrity),
+                description="Run the integrity check over every shard without re-extracting anything.",
+            )
+        ],
+        sensors=[
+            AutomationConditionSensorDefinition(
+                "shard_backfill",
+                target=AssetSelection.assets(hidden_states),
+                default_status=DefaultSensorStatus.RUNNING,
+                minimum_interval_seconds=60,
+                description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule.",
+            )
+        ],
+        resources={"project": project},
+    )
+
+
+defs = build_definitions(Project.from_environment())

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.settings import Settings, artifact_root, load_settings
+from eagle3_assets.settings import ModelShape, Settings, artifact_root, load_settings, read_model_shape
 from eagle3_assets.storage import ArtifactStore
 
 DEMO_MODEL_DIR = "target_model/model"
@@ -28,6 +28,13 @@ class Project:
     @property
     def model_name(self) -> str:
         return self.settings.target_model or "eagle3-demo-target"
+
+    def target_shape(self) -> ModelShape:
+        """Layers, hidden size and vocab of the target, from its config.json."""
+        shape = read_model_shape(str(self.target_dir()))
+        if shape is None or not shape.hidden_size:
+            raise ValueError(f"cannot read the target's shape from {self.target_dir()}/config.json")
+        return shape
 
     def target_dir(self) -> Path:
         """A local directory holding the target model (engines load from local paths only)."""

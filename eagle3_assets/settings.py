@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import fsspec
 import yaml
@@ -79,7 +79,7 @@ class DemoSettings(_Section):
     num_layers: int = Field(4, ge=4)
     head_dim: int = Field(32, ge=32, description="vLLM cannot serve head_dim < 32")
     vocab_size: int = Field(1024, ge=64)
-    train_steps: int = Field(1500, ge=1)
+    train_steps: int = Field(1500, ge=0, description="0 = an untrained model (tests)")
     seed: int = 0
 
 
@@ -161,7 +161,9 @@ def demo_settings() -> Settings:
         draft_vocab_size=512,
         max_seq_len=512,
         generation=GenerationSettings(max_new_tokens=160, batch_size=64, rows_per_part=200),
-        extraction=ExtractionSettings(batch_tokens=8192, progress_interval_s=2.0),
+        # One row per forward: on CPU, padded batches cost more than they save
+        # (benchmarks/bench_extraction.py); on a GPU keep the default budget.
+        extraction=ExtractionSettings(batch_tokens=1, progress_interval_s=2.0),
         training=TrainingSettings(
             lr=3e-3, warmup_steps=20, epochs=4.0, batch_tokens=4096, checkpoint_every=50, heldout_rows=64
         ),
@@ -184,8 +186,14 @@ def parse_settings(data: dict, source: str = "settings") -> Settings:
         raise SettingsError(_format_validation_error(source, e)) from None
 
 
-def read_model_shape(model_path: str) -> tuple[int, int] | None:
-    """(num_hidden_layers, vocab_size) from a model's config.json, or None when it cannot be read here."""
+class ModelShape(NamedTuple):
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def read_model_shape(model_path: str) -> ModelShape | None:
+    """The target's shape from its config.json, or None when it cannot be read here."""
     try:
         with fsspec.open(f"{model_path.rstrip('/')}/config.json", "r") as f:
             cfg = json.load(f)
@@ -193,7 +201,7 @@ def read_model_shape(model_path: str) -> tuple[int, int] | None:
         return None
     cfg = cfg.get("text_config", cfg)
     try:
-        return int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+        return ModelShape(int(cfg["num_hidden_layers"]), int(cfg.get("hidden_size", 0)), int(cfg["vocab_size"]))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -218,7 +226,7 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         shape = read_model_shape(settings.target_model)
         if shape is not None:
             try:
-                settings.check_against_model(num_layers=shape[0], vocab_size=shape[1])
+                settings.check_against_model(num_layers=shape.num_layers, vocab_size=shape.vocab_size)
             except SettingsError as e:
                 raise SettingsError(f"invalid settings in {path}: {e}") from None
     return settings

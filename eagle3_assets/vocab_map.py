@@ -2,21 +2,39 @@
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 TOKEN_FREQ_FILE = "token_freq/token_freq.safetensors"
 VOCAB_MAP_FILE = "vocab_map/vocab_map.safetensors"
+_CHUNK = 1 << 20
 
 
 def token_frequencies(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> np.ndarray:
     """Counts of each id over loss-masked positions: int64 [vocab_size]."""
-    ids = input_ids[loss_mask.astype(bool)]
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
-        raise ValueError(f"token id {bad} outside the target vocabulary of {vocab_size}")
-    return np.bincount(ids, minlength=vocab_size).astype(np.int64)
+    keep = loss_mask.astype(bool, copy=False)
+
+    def count(start: int) -> np.ndarray:
+        ids = input_ids[start : start + _CHUNK][keep[start : start + _CHUNK]]
+        # bincount itself finds out-of-vocabulary ids (a longer result, or an error for negatives).
+        try:
+            chunk = np.bincount(ids, minlength=vocab_size)
+        except ValueError:
+            raise ValueError(f"token id {int(ids.min())} outside the target vocabulary of {vocab_size}") from None
+        if len(chunk) > vocab_size:
+            raise ValueError(f"token id {int(ids.max())} outside the target vocabulary of {vocab_size}")
+        return chunk
+
+    # Chunks keep bincount's int32 -> intp conversion in cache, and bincount releases the GIL,
+    # so threads count chunks in parallel.
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for chunk in pool.map(count, range(0, len(input_ids), _CHUNK)):
+            counts += chunk
+    return counts
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from eagle3_assets.generation import open_generator
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, PromptsError, dump_prompts, parse_prompts
 from eagle3_assets.responses import ResponsesError, generate_responses, read_responses
-from eagle3_assets.settings import SettingsError, read_model_shape
+from eagle3_assets.settings import SettingsError
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.storage import StoreError
 from eagle3_assets.target_model import TargetModelError, inspect_target, load_tokenizer
@@ -196,12 +196,10 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
 def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
     """How often each target token appears on loss-masked (assistant) positions."""
     store = project.store
-    shape = read_model_shape(str(project.target_dir()))
-    if shape is None:
-        raise Failure(f"cannot read the target's vocab size from {project.target_dir()}/config.json")
+    vocab_size = project.target_shape().vocab_size
     tset = TokenizedSet.load(store)
     try:
-        freq = token_frequencies(tset.input_ids, tset.loss_mask, shape[1])
+        freq = token_frequencies(tset.input_ids, tset.loss_mask, vocab_size)
     except ValueError as e:
         raise Failure(f"tokenized: {e}") from None
     nbytes = store.write_bytes(TOKEN_FREQ_FILE, st_save({"counts": freq}))

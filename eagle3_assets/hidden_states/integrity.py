@@ -1,0 +1,193 @@
+"""Integrity of hidden-state shards: every row's file present, loadable and right.
+
+The per-row verdict (`inspect_rows`) is also what extraction resumes from, so a file
+that extraction skips is exactly a file this check accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from eagle3_assets.hidden_states.sample_file import (
+    FORMAT,
+    MANIFEST_NAME,
+    MISSING,
+    SAMPLE_SUFFIX,
+    SampleSpec,
+    manifest_path,
+    sample_path,
+    sample_problem,
+    shard_dir,
+)
+from eagle3_assets.shards import Shard
+from eagle3_assets.storage import ArtifactStore, StoreError
+from eagle3_assets.tokenized import TokenizedSet
+
+
+@dataclass(frozen=True)
+class RowStatus:
+    row: int
+    problem: str | None  # None: the file is valid
+    bytes: int  # file size; 0 when missing
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def inspect_rows(
+    store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, spec: SampleSpec, rows: Sequence[int] | None = None
+) -> list[RowStatus]:
+    """The verdict on each row's file (all rows of the shard by default)."""
+    present = set(store.listdir(shard_dir(shard)))  # one listing, not one existence check per row
+    out = []
+    for row in shard.rows if rows is None else rows:
+        if f"{row}{SAMPLE_SUFFIX}" not in present:
+            out.append(RowStatus(row, MISSING, 0))
+            continue
+        try:
+            data = store.read_bytes(sample_path(shard, row))
+        except (StoreError, OSError) as e:
+            out.append(RowStatus(row, f"unreadable ({e})", 0))
+            continue
+        ids, mask = tokenized.row(row)
+        out.append(RowStatus(row, sample_problem(data, row=row, input_ids=ids, loss_mask=mask, spec=spec), len(data)))
+    return out
+
+
+@dataclass(frozen=True)
+class ShardCheckReport:
+    shard: str
+    rows_expected: int
+    rows_ok: int
+    tokens: int  # tokens of the shard's rows (tokenized set)
+    bytes: int  # bytes of the row files present
+    problems: dict[str, str] = field(default_factory=dict)  # "rows_0-200/17.safetensors" -> reason
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def rows_checked(self) -> int:
+        return self.rows_expected
+
+    def summary(self, limit: int = 20) -> str:
+        if self.ok:
+            return f"{self.shard}: all {self.rows_expected} rows valid ({self.tokens:,} tokens, {self.bytes:,} bytes)"
+        lines = [f"{path}: {reason}" for path, reason in list(self.problems.items())[:limit]]
+        if len(self.problems) > limit:
+            lines.append(f"... and {len(self.problems) - limit} more")
+        bad_rows = self.rows_expected - self.rows_ok
+        head = f"{self.shard}: {bad_rows} of {self.rows_expected} rows bad, {len(self.problems)} problems"
+        return "\n".join([head, *lines])
+
+    def as_metadata(self) -> dict[str, int]:
+        return {
+            "rows_expected": self.rows_expected,
+            "rows_ok": self.rows_ok,
+            "problems": len(self.problems),
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+        }
+
+
+def manifest_problem(store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, spec: SampleSpec) -> str | None:
+    """Why the shard's `_SUCCESS.json` is missing or disagrees with the shard, or None."""
+    if not store.exists(manifest_path(shard)):
+        return "missing (the shard never completed)"
+    try:
+        m = store.read_json(manifest_path(shard))
+    except (StoreError, OSError, ValueError) as e:
+        return f"unreadable ({e})"
+    if not isinstance(m, dict):
+        return f"unreadable (expected a JSON object, got {type(m).__name__})"
+    expected = {
+        "format": FORMAT,
+        "rows": len(shard),
+        "tokens": tokenized.tokens_in(shard.start, shard.end),
+        "aux_layer_ids": list(spec.aux_layer_ids),
+        "hidden_size": spec.hidden_size,
+        "dtype": spec.dtype,
+    }
+    for key, want in expected.items():
+        if m.get(key) != want:
+            return f"{key} is {m.get(key)!r}, expected {want!r}"
+    return None
+
+
+def check_shard(
+    store: ArtifactStore,
+    tokenized: TokenizedSet,
+    shard: Shard,
+    *,
+    hidden_size: int,
+    aux_layer_ids: Sequence[int],
+    dtype: str,
+    model: str | None = None,
+    last_hidden_state_norm: str | None = None,
+    require_manifest: bool = True,
+) -> ShardCheckReport:
+    """Check every row file of `shard` (and its `_SUCCESS.json` unless require_manifest=False).
+
+    `model` / `last_hidden_state_norm` None: any value is accepted (the norm must still be a known one).
+    """
+    if shard.end > tokenized.num_rows:
+        raise ValueError(f"shard {shard.key} ends past the tokenized set of {tokenized.num_rows} rows")
+    spec = SampleSpec(
+        hidden_size=hidden_size,
+        aux_layer_ids=tuple(aux_layer_ids),
+        dtype=dtype,
+        model=model,
+        last_hidden_state_norm=last_hidden_state_norm,
+    )
+    statuses = inspect_rows(store, tokenized, shard, spec)
+    problems = {f"{shard.key}/{s.row}{SAMPLE_SUFFIX}": s.problem for s in statuses if s.problem is not None}
+
+    expected_names = {f"{r}{SAMPLE_SUFFIX}" for r in shard.rows} | {MANIFEST_NAME}
+    for name in store.listdir(shard_dir(shard)):
+        if name not in expected_names:
+            problems[f"{shard.key}/{name}"] = "unexpected file (not a row of this shard)"
+    if require_manifest:
+        problem = manifest_problem(store, tokenized, shard, spec)
+        if problem:
+            problems[f"{shard.key}/{MANIFEST_NAME}"] = problem
+
+    return ShardCheckReport(
+        shard=shard.key,
+        rows_expected=len(shard),
+        rows_ok=sum(s.ok for s in statuses),
+        tokens=tokenized.tokens_in(shard.start, shard.end),
+        bytes=sum(s.bytes for s in statuses),
+        problems=problems,
+    )
+
+
+def check_shards(
+    store: ArtifactStore,
+    tokenized: TokenizedSet,
+    shards: Sequence[Shard],
+    *,
+    hidden_size: int,
+    aux_layer_ids: Sequence[int],
+    dtype: str,
+    model: str | None = None,
+    last_hidden_state_norm: str | None = None,
+    require_manifest: bool = True,
+) -> list[ShardCheckReport]:
+    """`check_shard` over each shard, in order; nothing is re-extracted."""
+    return [
+        check_shard(
+            store,
+            tokenized,
+            shard,
+            hidden_size=hidden_size,
+            aux_layer_ids=aux_layer_ids,
+            dtype=dtype,
+            model=model,
+            last_hidden_state_norm=last_hidden_state_norm,
+            require_manifest=require_manifest,
+        )
+        for shard in shards
+    ]

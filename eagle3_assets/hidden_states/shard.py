@@ -1,0 +1,403 @@
+"""Extract one shard of hidden states: preflight, resume at sample level, progress, manifest.
+
+A run of `extract_shard` on rows [start, end):
+1. refuses before touching anything when a row is longer than the model context or
+   the store cannot be written;
+2. removes leftovers of writers that died, and keeps every row file that fully
+   validates (the integrity check's own per-row verdict); the rest is recomputed,
+   so a partial or corrupt file is overwritten, never taken for a finished one.
+   When anything is left to do, a stale `_SUCCESS.json` goes first: a shard being
+   repaired never looks complete;
+3. refuses, before computing, when free disk is short of what is left to write;
+4. writes each sample atomically as the backend returns it, reporting progress at
+   most every `progress_interval_s` seconds and once at the end;
+5. writes `_SUCCESS.json` last.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from fractions import Fraction
+
+from eagle3_assets.hidden_states.extractor import ExtractedSample, ExtractionRequest, HiddenStateExtractor
+from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
+from eagle3_assets.hidden_states.sample_file import (
+    FORMAT,
+    MISSING,
+    SampleSpec,
+    bytes_per_element,
+    encode_sample,
+    manifest_path,
+    sample_path,
+    sample_problem,
+    shard_dir,
+)
+from eagle3_assets.settings import ExtractionSettings
+from eagle3_assets.shards import Shard
+from eagle3_assets.storage import TMP_MARK, ArtifactStore, StoreError
+from eagle3_assets.tokenized import TokenizedSet
+
+log = logging.getLogger(__name__)
+
+
+class ShardExtractionError(RuntimeError):
+    """A shard cannot be extracted; the message names the shard, and the row where there is one."""
+
+
+class RowTooLongError(ShardExtractionError):
+    pass
+
+
+class StoreNotWritableError(ShardExtractionError):
+    pass
+
+
+class InsufficientSpaceError(ShardExtractionError):
+    pass
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclass(frozen=True)
+class ExtractionProgress:
+    """Figures of a running shard; `as_metadata()` is what a progress observation carries."""
+
+    shard: str
+    samples_done: int  # valid files present: skipped + computed
+    samples_total: int
+    samples_skipped: int
+    tokens_done: int
+    tokens_total: int
+    seconds: float  # since computing started
+    samples_per_s: float  # computed samples only: skipped ones cost no model time
+    tokens_per_s: float
+    bytes_written: int  # this run
+    bytes_per_sample: float  # over all files present (skipped + written); 0 before any
+    bytes_per_token: float
+    eta_s: float | None  # remaining tokens / tokens_per_s; None before the first sample
+    projected_bytes_all_shards: int | None  # every token of the tokenized set x bytes_per_token
+    free_bytes: int | None  # None: unknown (object/memory store)
+    final: bool
+
+    def as_metadata(self) -> dict[str, float | int]:
+        """A flat dict of numbers; unknown figures are left out rather than sent as None."""
+        d = asdict(self)
+        d.pop("shard")
+        d["final"] = int(self.final)
+        return {k: v for k, v in d.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    shard: str
+    rows_total: int
+    rows_skipped: int  # already valid, kept
+    rows_computed: int
+    tokens: int  # all rows of the shard
+    tokens_computed: int
+    bytes: int  # all row files of the shard
+    bytes_written: int
+    seconds: float
+    temporaries_removed: int
+    repaired: dict[int, str] = field(default_factory=dict)  # row -> why its existing file was redone
+    notes: list[str] = field(default_factory=list)
+    manifest: dict = field(default_factory=dict)
+
+    def as_metadata(self) -> dict[str, float | int]:
+        return {
+            "rows_total": self.rows_total,
+            "rows_skipped": self.rows_skipped,
+            "rows_computed": self.rows_computed,
+            "rows_repaired": len(self.repaired),
+            "tokens": self.tokens,
+            "tokens_computed": self.tokens_computed,
+            "bytes": self.bytes,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "temporaries_removed": self.temporaries_removed,
+        }
+
+
+def check_rows_fit(tokenized: TokenizedSet, shard: Shard, max_context: int) -> None:
+    """RowTooLongError naming the shard, the first row too long, and both lengths."""
+    too_long = [r for r in shard.rows if tokenized.row_length(r) > max_context]
+    if too_long:
+        row = too_long[0]
+        more = f" ({len(too_long)} rows of the shard are too long: {too_long[:10]})" if len(too_long) > 1 else ""
+        raise RowTooLongError(
+            f"shard {shard.key}: row {row} has {tokenized.row_length(row)} tokens, "
+            f"more than the model context of {max_context} tokens{more}"
+        )
+
+
+def check_writable(store: ArtifactStore, shard: Shard) -> None:
+    """Write and remove a probe in the shard directory; StoreNotWritableError naming shard and path."""
+    probe = f"{shard_dir(shard)}/.write-probe{TMP_MARK}{uuid.uuid4().hex[:12]}"
+    try:
+        store.write_bytes(probe, b"")
+        store.remove(probe)
+    except (StoreError, OSError) as e:
+        raise StoreNotWritableError(
+            f"shard {shard.key}: cannot write to {store.url_of(shard_dir(shard))}: {e}"
+        ) from e
+
+
+def preflight_disk(
+    shard: Shard, *, remaining_tokens: int, spec: SampleSpec, margin: float, free: int | None, where: str
+) -> str:
+    """Raise InsufficientSpaceError when free < projected x (1 + margin); else return a note."""
+    size = bytes_per_element(spec.dtype)
+    projected = remaining_tokens * 4 * spec.hidden_size * size
+    # Exact decimal arithmetic: 28,160 x 1.05 in floats rounds up one byte too many.
+    needed = projected + math.ceil(projected * Fraction(repr(margin)))
+    formula = (
+        f"{remaining_tokens:,} remaining tokens x 4 x hidden {spec.hidden_size} x {size} bytes ({spec.dtype})"
+        f" = {projected:,} bytes, plus {margin:.0%} margin"
+    )
+    if free is None:
+        return (
+            f"disk preflight skipped: free space is unknown on {where} "
+            f"(needs {_gb(needed)} ({needed:,} bytes: {formula}))"
+        )
+    if free < needed:
+        raise InsufficientSpaceError(
+            f"shard {shard.key}: not enough free space on {where}: needs {_gb(needed)} ({needed:,} bytes: {formula}), "
+            f"free {_gb(free)} ({free:,} bytes)"
+        )
+    return f"disk preflight ok: needs {_gb(needed)} ({needed:,} bytes), free {_gb(free)} ({free:,} bytes)"
+
+
+def _manifest(
+    shard: Shard,
+    spec: SampleSpec,
+    backend: str,
+    *,
+    tokens: int,
+    bytes_: int,
+    computed: int,
+    skipped: int,
+    seconds: float,
+) -> dict:
+    return {
+        "format": FORMAT,
+        "shard": shard.key,
+        "row_start": shard.start,
+        "row_end": shard.end,
+        "rows": len(shard),
+        "tokens": tokens,
+        "bytes": bytes_,
+        "aux_layer_ids": list(spec.aux_layer_ids),
+        "hidden_size": spec.hidden_size,
+        "dtype": spec.dtype,
+        "last_hidden_state_norm": spec.last_hidden_state_norm,
+        "model": spec.model,
+        "backend": backend,
+        "rows_computed": computed,
+        "rows_skipped": skipped,
+        "seconds": round(seconds, 3),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+@dataclass
+class _Tally:
+    """Running figures of one `extract_shard` call."""
+
+    shard: Shard
+    tokens_total: int  # rows of the shard
+    tokens_all_shards: int  # the whole tokenized set
+    rows_skipped: int
+    tokens_todo: int
+    bytes_present: int  # valid files kept from earlier runs
+    started: float  # clock when computing began
+    computed: int = 0
+    tokens_computed: int = 0
+    bytes_written: int = 0
+
+    def progress(self, now: float, *, free: int | None, final: bool) -> ExtractionProgress:
+        seconds = now - self.started
+        done = self.rows_skipped + self.computed
+        tokens_done = self.tokens_total - self.tokens_todo + self.tokens_computed
+        bytes_now = self.bytes_present + self.bytes_written
+        tokens_per_s = self.tokens_computed / seconds if seconds > 0 else 0.0
+        bytes_per_token = bytes_now / tokens_done if tokens_done else 0.0
+        if tokens_per_s > 0:
+            eta = (self.tokens_total - tokens_done) / tokens_per_s
+        else:
+            eta = 0.0 if final else None
+        return ExtractionProgress(
+            shard=self.shard.key,
+            samples_done=done,
+            samples_total=len(self.shard),
+            samples_skipped=self.rows_skipped,
+            tokens_done=tokens_done,
+            tokens_total=self.tokens_total,
+            seconds=round(seconds, 3),
+            samples_per_s=self.computed / seconds if seconds > 0 else 0.0,
+            tokens_per_s=tokens_per_s,
+            bytes_written=self.bytes_written,
+            bytes_per_sample=bytes_now / done if done else 0.0,
+            bytes_per_token=bytes_per_token,
+            eta_s=eta,
+            projected_bytes_all_shards=round(self.tokens_all_shards * bytes_per_token) if tokens_done else None,
+            free_bytes=free,
+            final=final,
+        )
+
+
+def _write_sample(
+    store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, sample: ExtractedSample, spec: SampleSpec, backend: str
+) -> int:
+    """Encode, validate and atomically write one row's file; returns its size."""
+    row = sample.row
+    ids, mask = tokenized.row(row)
+    data = encode_sample(
+        row=row,
+        input_ids=sample.input_ids,
+        loss_mask=mask,
+        aux_hidden_states=sample.aux_hidden_states,
+        last_hidden_state=sample.last_hidden_state,
+        spec=spec,
+        backend=backend,
+    )
+    # Validate where it is written, with the check's own rules: a bad sample never lands.
+    problem = sample_problem(data, row=row, input_ids=ids, loss_mask=mask, spec=spec)
+    if problem:
+        raise ShardExtractionError(
+            f"shard {shard.key} row {row}: the {backend} backend produced an invalid sample, not written: {problem}"
+        )
+    try:
+        return store.write_bytes(sample_path(shard, row), data)
+    except (StoreError, OSError) as e:
+        where = store.url_of(sample_path(shard, row))
+        raise ShardExtractionError(f"shard {shard.key} row {row}: cannot write {where}: {e}") from e
+
+
+def extract_shard(
+    store: ArtifactStore,
+    tokenized: TokenizedSet,
+    shard: Shard,
+    extractor: HiddenStateExtractor,
+    settings: ExtractionSettings,
+    *,
+    model_name: str,
+    on_progress: Callable[[ExtractionProgress], None] | None = None,
+    free_bytes: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ShardResult:
+    """Materialize `hidden_states/<shard.key>/`: every row's file, then `_SUCCESS.json`.
+
+    `free_bytes` overrides the store's free-space figure (tests); `clock` drives timing.
+    """
+    t_start = clock()
+    key = shard.key
+    if shard.end > tokenized.num_rows:
+        raise ShardExtractionError(f"shard {key} ends past the tokenized set of {tokenized.num_rows} rows")
+    check_rows_fit(tokenized, shard, extractor.max_context)
+    spec = SampleSpec(
+        hidden_size=extractor.hidden_size,
+        aux_layer_ids=tuple(extractor.aux_layer_ids),
+        dtype=settings.storage_dtype,
+        model=model_name,
+        last_hidden_state_norm=extractor.last_hidden_state_norm,
+    )
+    check_writable(store, shard)
+
+    # Resume: keep what validates, redo the rest.
+    removed = store.remove_temporaries(shard_dir(shard))
+    statuses = inspect_rows(store, tokenized, shard, spec)
+    todo = [s.row for s in statuses if not s.ok]
+    repaired = {s.row: s.problem for s in statuses if not s.ok and s.problem != MISSING}
+    for row, problem in repaired.items():
+        log.warning("shard %s row %d: existing file redone: %s", key, row, problem)
+    notes: list[str] = []
+    if removed:
+        notes.append(f"removed {removed} temporary file(s) left by an interrupted writer")
+
+    def free_now() -> int | None:
+        return free_bytes if free_bytes is not None else store.free_bytes()
+
+    tokens_todo = sum(tokenized.row_length(r) for r in todo)
+    if todo:
+        # The shard is incomplete whatever happens next: it must not look finished.
+        store.remove(manifest_path(shard))
+        where = store.url_of(shard_dir(shard))
+        note = preflight_disk(
+            shard, remaining_tokens=tokens_todo, spec=spec, margin=settings.disk_margin, free=free_now(), where=where
+        )
+        notes.append(note)
+        log.info("shard %s: %s", key, note)
+
+    tally = _Tally(
+        shard=shard,
+        tokens_total=tokenized.tokens_in(shard.start, shard.end),
+        tokens_all_shards=tokenized.num_tokens,
+        rows_skipped=len(shard) - len(todo),
+        tokens_todo=tokens_todo,
+        bytes_present=sum(s.bytes for s in statuses if s.ok),
+        started=clock(),
+    )
+    last_emit = tally.started
+    pending = {r: tokenized.row_length(r) for r in todo}
+    requests = [ExtractionRequest(row=r, input_ids=tokenized.row(r)[0]) for r in todo]
+    for sample in extractor.extract(requests) if requests else ():
+        if sample.row not in pending:
+            raise ShardExtractionError(
+                f"shard {key}: the {extractor.backend} backend returned row {sample.row}, "
+                "which was not requested or came twice"
+            )
+        tally.bytes_written += _write_sample(store, tokenized, shard, sample, spec, extractor.backend)
+        tally.tokens_computed += pending.pop(sample.row)
+        tally.computed += 1
+        now = clock()
+        if on_progress is not None and now - last_emit >= settings.progress_interval_s:
+            on_progress(tally.progress(now, free=free_now(), final=False))
+            last_emit = now
+    if pending:
+        rows = sorted(pending)
+        raise ShardExtractionError(
+            f"shard {key}: the {extractor.backend} backend returned no sample for {len(rows)} row(s): {rows[:10]}"
+        )
+
+    t_end = clock()
+    if on_progress is not None:
+        on_progress(tally.progress(t_end, free=free_now(), final=True))
+    total_bytes = tally.bytes_present + tally.bytes_written
+    if not todo and manifest_problem(store, tokenized, shard, spec) is None:
+        # Nothing redone: the manifest of the run that made these files still tells the truth.
+        manifest = store.read_json(manifest_path(shard))
+    else:
+        manifest = _manifest(
+            shard,
+            spec,
+            extractor.backend,
+            tokens=tally.tokens_total,
+            bytes_=total_bytes,
+            computed=tally.computed,
+            skipped=tally.rows_skipped,
+            seconds=t_end - t_start,
+        )
+        store.write_json(manifest_path(shard), manifest)
+    return ShardResult(
+        shard=key,
+        rows_total=len(shard),
+        rows_skipped=tally.rows_skipped,
+        rows_computed=tally.computed,
+        tokens=tally.tokens_total,
+        tokens_computed=tally.tokens_computed,
+        bytes=total_bytes,
+        bytes_written=tally.bytes_written,
+        seconds=t_end - t_start,
+        temporaries_removed=removed,
+        repaired=repaired,
+        notes=notes,
+        manifest=manifest,
+    )
