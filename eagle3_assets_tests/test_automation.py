@@ -1,0 +1,82 @@
+"""The scheduled backfill condition, evaluated against real runs in a test instance."""
+
+import datetime
+import threading
+import time
+
+from dagster import (
+    AssetExecutionContext,
+    DagsterRunStatus,
+    Definitions,
+    DynamicPartitionsDefinition,
+    RunsFilter,
+    asset,
+    evaluate_automation_conditions,
+)
+from dagster._core.test_utils import instance_for_test
+
+from eagle3_assets.defs.shards.automation import shard_backfill_condition
+
+shards = DynamicPartitionsDefinition(name="hidden_state_shards")
+release = threading.Event()
+failing: set[str] = set()
+
+
+@asset
+def tokenized() -> None:
+    return None
+
+
+@asset(partitions_def=shards, deps=[tokenized], automation_condition=shard_backfill_condition("*/15 * * * *"))
+def hidden_states(context: AssetExecutionContext) -> None:
+    # The same condition as the product's asset; the body only fails or waits where the test needs it.
+    if context.partition_key in failing:
+        raise RuntimeError("extraction failed")
+    if context.partition_key == "rows_60-80":
+        release.wait(timeout=120)
+
+
+DEFS = Definitions(assets=[tokenized, hidden_states])
+
+
+def run(instance, keys, partition=None):
+    job = DEFS.resolve_implicit_global_asset_job_def()
+    from dagster import AssetKey
+
+    return job.execute_in_process(
+        instance=instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition, raise_on_error=False
+    )
+
+
+def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
+    keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80", "rows_80-100"]
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("hidden_state_shards", keys)
+        assert run(instance, ["tokenized"]).success
+        assert run(instance, ["hidden_states"], "rows_0-20").success
+        assert run(instance, ["hidden_states"], "rows_20-40").success
+        # rows_40-60 materialized once, then its rerun failed: not "missing", but failed
+        assert run(instance, ["hidden_states"], "rows_40-60").success
+        failing.add("rows_40-60")
+        assert not run(instance, ["hidden_states"], "rows_40-60").success
+        release.clear()
+        in_flight = threading.Thread(target=run, args=(instance, ["hidden_states"], "rows_60-80"))
+        in_flight.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED])):
+                assert time.monotonic() < deadline, "the in-progress run never started"
+                time.sleep(0.1)
+
+            start = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
+            first = evaluate_automation_conditions(DEFS, instance, evaluation_time=start)
+            # no cron tick has passed since the first evaluation: nothing requested
+            assert first.total_requested == 0
+            after_tick = evaluate_automation_conditions(
+                DEFS, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor
+            )
+            requested = after_tick.get_requested_partitions(hidden_states.key)
+            assert sorted(requested) == ["rows_40-60", "rows_80-100"]  # failed + missing; not done, not running
+        finally:
+            release.set()
+            in_flight.join(timeout=60)
