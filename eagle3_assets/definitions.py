@@ -8,6 +8,7 @@ from dagster import AssetSelection, AutomationConditionSensorDefinition, Default
 
 from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
+from eagle3_assets.defs.drafter import assets as drafter
 from eagle3_assets.defs.shards import assets as shards
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
@@ -27,6 +28,8 @@ def build_definitions(project: Project) -> Definitions:
             data.token_freq,
             data.vocab_map,
             hidden_states,
+            drafter.drafter,
+            drafter.drafter_eval,
         ],
         asset_checks=[data_checks.vocab_map_invariant, shard_checks.shard_integrity, shard_checks.all_shards_integrity],
         jobs=[

@@ -18,7 +18,7 @@ from eagle3_assets.shards import Shard
 
 DEMO_TAG = "eagle3/launched_by"
 UNPARTITIONED = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
-AFTER_SHARDS: list[str] = []
+AFTER_SHARDS = ["drafter", "drafter_eval"]
 
 
 def fail_abandoned_runs(instance: DagsterInstance) -> int:
@@ -68,7 +68,7 @@ def main() -> int:
     if failed:
         print(f"[demo] shards failed: {failed}; rerun `make demo` to resume them", file=sys.stderr)
         return 1
-    if AFTER_SHARDS and not run_selection(defs, instance, AFTER_SHARDS):
+    if not run_selection(defs, instance, AFTER_SHARDS):
         return 1
     print(f"[demo] graph complete in {time.monotonic() - started:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")
     return 0

@@ -190,6 +190,7 @@ class ModelShape(NamedTuple):
     num_layers: int
     hidden_size: int
     vocab_size: int
+    max_context: int  # max_position_embeddings; 0 when the config does not say
 
 
 def read_model_shape(model_path: str) -> ModelShape | None:
@@ -201,7 +202,12 @@ def read_model_shape(model_path: str) -> ModelShape | None:
         return None
     cfg = cfg.get("text_config", cfg)
     try:
-        return ModelShape(int(cfg["num_hidden_layers"]), int(cfg.get("hidden_size", 0)), int(cfg["vocab_size"]))
+        return ModelShape(
+            int(cfg["num_hidden_layers"]),
+            int(cfg.get("hidden_size", 0)),
+            int(cfg["vocab_size"]),
+            int(cfg.get("max_position_embeddings") or 0),
+        )
     except (KeyError, TypeError, ValueError):
         return None
 

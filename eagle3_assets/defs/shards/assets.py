@@ -3,7 +3,6 @@
 from dagster import (
     AssetExecutionContext,
     Backoff,
-    BackfillPolicy,
     Failure,
     MaterializeResult,
     ResourceParam,
@@ -27,8 +26,8 @@ from eagle3_assets.tokenized import TokenizedSet
     deps=[tokenized, target_model],
     pool="gpu",
     kinds={"safetensors"},
-    # One run per shard, so shards succeed, fail and retry independently.
-    backfill_policy=BackfillPolicy.multi_run(max_partitions_per_run=1),
+    # No backfill_policy: the default launches one run per shard, so shards succeed,
+    # fail and retry independently.
     retry_policy=RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL),
 )
 def hidden_states(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:

@@ -1,0 +1,398 @@
+"""Hidden-state samples for drafter training: the shard guard, the sample index, batches.
+
+Samples are `hidden_states/<shard key>/<row>.safetensors` (DESIGN §4). Indexing reads
+only each file's header (a few hundred bytes), so the whole set is checked for format,
+shapes and one consistent set of aux layers before training starts; a bad file is
+named. Batches read one file at a time, memory-mapped when the store is local; a
+shard is never held in RAM.
+
+Order is a pure function of (seed, epoch): each epoch shuffles the samples, groups
+neighbours of similar length (so padding stays small) into batches under the token
+budget, and shuffles the batches. A run resumes from a `DataPosition` (epoch, batch)
+by recomputing that epoch's plan and skipping to the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+
+from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.storage import ArtifactStore
+
+HIDDEN_STATES_DIR = "hidden_states"
+SUCCESS_FILE = "_SUCCESS.json"
+SAMPLE_FORMAT = "eagle3-hidden-states/1"
+NORM_CONVENTIONS = ("post_norm", "pre_norm")
+_SAMPLE_NAME = re.compile(r"^(\d+)\.safetensors$")
+# Samples per shuffle window whose lengths are sorted before batching: large enough
+# that neighbours have similar lengths, small enough that the order stays random.
+_LENGTH_WINDOW = 256
+
+
+class DataError(TrainingError):
+    """Hidden-state data that cannot be trained on; the message names the file or shard."""
+
+
+class MissingShardsError(DataError):
+    """Training was asked to start before every shard was complete."""
+
+    def __init__(self, missing: list[str]):
+        self.missing = missing
+        super().__init__(
+            f"{len(missing)} hidden-state shard(s) are not complete (no {SUCCESS_FILE}): "
+            + ", ".join(missing)
+            + ". Materialize them first; training on part of the data would be silent."
+        )
+
+
+def shard_dir(key: str) -> str:
+    return f"{HIDDEN_STATES_DIR}/{key}"
+
+
+def missing_shards(store: ArtifactStore, shard_keys: Sequence[str]) -> list[str]:
+    """The keys among `shard_keys` whose shard has no success manifest, in the given order."""
+    return [k for k in shard_keys if not store.exists(f"{shard_dir(k)}/{SUCCESS_FILE}")]
+
+
+def require_complete_shards(store: ArtifactStore, shard_keys: Sequence[str]) -> None:
+    if not shard_keys:
+        raise DataError("no hidden-state shards given: nothing to train on")
+    missing = missing_shards(store, shard_keys)
+    if missing:
+        raise MissingShardsError(missing)
+
+
+# -- the sample index ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: str
+    row: int
+    length: int  # tokens
+
+    @property
+    def rel(self) -> str:
+        return f"{shard_dir(self.shard)}/{self.row}.safetensors"
+
+
+@dataclass(frozen=True)
+class SampleFormat:
+    """What every sample of one training set shares."""
+
+    hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    model: str
+    storage_dtype: str
+
+
+def read_safetensors_header(store: ArtifactStore, rel: str) -> tuple[dict, dict[str, str]]:
+    """(tensor entries, string metadata) of a safetensors file, reading only its header."""
+    with store.open(rel) as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise DataError(f"{store.url_of(rel)}: truncated, not a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise DataError(f"{store.url_of(rel)}: header of {n} bytes, not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise DataError(f"{store.url_of(rel)}: unreadable safetensors header: {e}") from None
+    metadata = header.pop("__metadata__", None) or {}
+    return header, metadata
+
+
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _check_sample(store: ArtifactStore, rel: str) -> tuple[int, SampleFormat, str]:
+    """(length, format, norm convention) of one file, or DataError naming it and the fault."""
+    tensors, meta = read_safetensors_header(store, rel)
+    where = store.url_of(rel)
+    if meta.get("format") != SAMPLE_FORMAT:
+        raise DataError(f"{where}: format {meta.get('format')!r}, expected {SAMPLE_FORMAT!r}")
+    for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+        if name not in tensors:
+            raise DataError(f"{where}: tensor {name!r} missing")
+    ids, mask, aux, last = (
+        tensors[n] for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+    )
+    T = ids["shape"][0] if len(ids["shape"]) == 1 else -1
+    H = last["shape"][-1]
+    try:
+        aux_ids = tuple(int(i) for i in json.loads(meta.get("aux_layer_ids", "")))
+    except (ValueError, TypeError):
+        raise DataError(f"{where}: aux_layer_ids metadata {meta.get('aux_layer_ids')!r} is not a JSON list") from None
+    problems = []
+    if ids["dtype"] != "I32" or T < 1:
+        problems.append(f"input_ids is {ids['dtype']}{ids['shape']}, expected I32[T] with T >= 1")
+    if mask["dtype"] != "U8" or mask["shape"] != [T]:
+        problems.append(f"loss_mask is {mask['dtype']}{mask['shape']}, expected U8[{T}]")
+    if last["shape"] != [T, H]:
+        problems.append(f"last_hidden_state is {last['shape']}, expected [{T}, H]")
+    if aux["shape"] != [T, len(aux_ids) * H]:
+        problems.append(f"aux_hidden_states is {aux['shape']}, expected [{T}, {len(aux_ids)} * {H}]")
+    if len(aux_ids) != 3:
+        problems.append(f"aux_layer_ids {list(aux_ids)}: EAGLE-3 fuses exactly 3 layers")
+    if meta.get("hidden_size") not in (None, str(H)):
+        problems.append(f"hidden_size metadata {meta.get('hidden_size')} but tensors are {H} wide")
+    if meta.get("last_hidden_state_norm") not in NORM_CONVENTIONS:
+        problems.append(
+            f"last_hidden_state_norm {meta.get('last_hidden_state_norm')!r}, expected one of {NORM_CONVENTIONS}"
+        )
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        if tensors[name]["dtype"] not in _ST_DTYPES:
+            problems.append(f"{name} dtype {tensors[name]['dtype']} is not a float storage dtype")
+    if problems:
+        raise DataError(f"{where}: " + "; ".join(problems))
+    fmt = SampleFormat(H, aux_ids, meta.get("model", ""), _ST_DTYPES[aux["dtype"]])
+    return T, fmt, meta["last_hidden_state_norm"]
+
+
+def index_samples(store: ArtifactStore, shard_keys: Sequence[str]) -> tuple[list[SampleRef], SampleFormat]:
+    """Every sample of the shards, in (shard, row) order, checked from headers to share one format."""
+    refs: list[SampleRef] = []
+    fmt: SampleFormat | None = None
+    first = ""
+    for key in shard_keys:
+        rows = sorted(int(m.group(1)) for n in store.listdir(shard_dir(key)) if (m := _SAMPLE_NAME.match(n)))
+        for row in rows:
+            ref_rel = f"{shard_dir(key)}/{row}.safetensors"
+            length, f, _ = _check_sample(store, ref_rel)
+            if fmt is None:
+                fmt, first = f, ref_rel
+            elif (f.hidden_size, f.aux_layer_ids) != (fmt.hidden_size, fmt.aux_layer_ids):
+                raise DataError(
+                    f"{store.url_of(ref_rel)}: hidden size {f.hidden_size}, aux layers {list(f.aux_layer_ids)} "
+                    f"differ from {store.url_of(first)} ({fmt.hidden_size}, {list(fmt.aux_layer_ids)}): "
+                    "the shards were extracted with different settings"
+                )
+            refs.append(SampleRef(key, row, length))
+    if fmt is None:
+        raise DataError(f"no samples in shards {list(shard_keys)}")
+    return refs, fmt
+
+
+def split_heldout(samples: Sequence[SampleRef], n: int, seed: int) -> tuple[list[SampleRef], list[SampleRef]]:
+    """(train, held-out): `n` samples drawn with `seed`, the rest in index order."""
+    if n >= len(samples):
+        raise DataError(
+            f"heldout_rows={n} leaves nothing to train on: the shards hold {len(samples)} samples"
+        )
+    pick = set(np.random.default_rng([seed, 0x4E1D]).permutation(len(samples))[:n].tolist())
+    train = [s for i, s in enumerate(samples) if i not in pick]
+    held = [s for i, s in enumerate(samples) if i in pick]
+    return train, held
+
+
+# -- batches ------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64, 0-padded
+    loss_mask: torch.Tensor  # [B, T] uint8, 0-padded
+    aux: torch.Tensor  # [B, T, 3H] storage dtype
+    last: torch.Tensor  # [B, T, H] storage dtype
+    lengths: torch.Tensor  # [B] int64
+    pre_norm: torch.Tensor  # [B] bool: last_hidden_state stored before the final norm
+    samples: list[SampleRef] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        nb = torch.device(device).type == "cuda"
+        return Batch(
+            *(t.to(device, non_blocking=nb) for t in (self.input_ids, self.loss_mask, self.aux, self.last)),
+            self.lengths.to(device),
+            self.pre_norm.to(device),
+            self.samples,
+        )
+
+
+def load_sample(store: ArtifactStore, ref: SampleRef) -> tuple[dict[str, torch.Tensor], bool]:
+    """(tensors, pre_norm) of one sample; memory-mapped from local stores."""
+    local = store.local_path(ref.rel)
+    try:
+        if local is not None:
+            with safe_open(str(local), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")}
+                meta = f.metadata() or {}
+        else:
+            data = store.read_bytes(ref.rel)
+            tensors = st_load(data)
+            meta = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]]).get("__metadata__") or {}
+    except (OSError, RuntimeError) as e:
+        raise DataError(f"{store.url_of(ref.rel)}: cannot read sample: {e}") from e
+    if tensors["input_ids"].shape[0] != ref.length:
+        raise DataError(f"{store.url_of(ref.rel)}: {tensors['input_ids'].shape[0]} tokens, indexed as {ref.length}")
+    return tensors, meta.get("last_hidden_state_norm") == "pre_norm"
+
+
+def collate(loaded: Sequence[tuple[dict[str, torch.Tensor], bool]], refs: Sequence[SampleRef]) -> Batch:
+    B, T = len(loaded), max(t["input_ids"].shape[0] for t, _ in loaded)
+    first = loaded[0][0]
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    mask = torch.zeros(B, T, dtype=torch.uint8)
+    aux = torch.zeros(B, T, first["aux_hidden_states"].shape[1], dtype=first["aux_hidden_states"].dtype)
+    last = torch.zeros(B, T, first["last_hidden_state"].shape[1], dtype=first["last_hidden_state"].dtype)
+    lengths = torch.zeros(B, dtype=torch.int64)
+    for i, (t, _) in enumerate(loaded):
+        n = t["input_ids"].shape[0]
+        ids[i, :n] = t["input_ids"]
+        mask[i, :n] = t["loss_mask"]
+        aux[i, :n] = t["aux_hidden_states"]
+        last[i, :n] = t["last_hidden_state"]
+        lengths[i] = n
+    pre = torch.tensor([p for _, p in loaded], dtype=torch.bool)
+    return Batch(ids, mask, aux, last, lengths, pre, list(refs))
+
+
+def pack_by_length(lengths: Sequence[int], order: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy batches of `order` (sample indices) with padded size max_len * count <= budget.
+
+    A sample longer than the budget is a batch of its own: it is never truncated, so
+    the budget bounds memory only up to the longest row (max_seq_len upstream).
+    """
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i in order:
+        n = lengths[i]
+        if cur and max(cur_max, n) * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def plan_epoch(lengths: Sequence[int], epoch: int, seed: int, budget: int) -> list[list[int]]:
+    """The batches (lists of sample indices) of one epoch: a pure function of its arguments."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    batches: list[list[int]] = []
+    for w in range(0, len(order), _LENGTH_WINDOW):
+        window = sorted(order[w : w + _LENGTH_WINDOW].tolist(), key=lambda i: (-lengths[i], i))
+        batches.extend(pack_by_length(lengths, window, budget))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+@dataclass(frozen=True, order=True)
+class DataPosition:
+    """The next batch to train on: `batch` counts this rank's steps within `epoch`."""
+
+    epoch: int = 0
+    batch: int = 0
+
+
+class BatchLoader:
+    """Training batches of one rank, in the planned order, loaded ahead by worker threads.
+
+    With `world_size` ranks each plan is cut into per-rank batches of budget
+    `batch_tokens // world_size` (so one optimizer step over all ranks still sees about
+    `batch_tokens`), and step i of rank r is planned batch i * world_size + r; the
+    last < world_size batches of an epoch are dropped so all ranks step together.
+    """
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        samples: Sequence[SampleRef],
+        *,
+        batch_tokens: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 4,
+        workers: int = 2,
+    ):
+        if not samples:
+            raise DataError("no training samples")
+        self.store = store
+        self.samples = list(samples)
+        self.lengths = [s.length for s in self.samples]
+        self.budget = max(1, batch_tokens // world_size)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.prefetch, self.workers = max(1, prefetch), max(1, workers)
+        self._plans: dict[int, list[list[int]]] = {}
+
+    def rank_plan(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of `epoch` (sample indices), cached."""
+        if epoch not in self._plans:
+            plan = plan_epoch(self.lengths, epoch, self.seed, self.budget)
+            steps = len(plan) // self.world_size
+            self._plans[epoch] = [plan[i * self.world_size + self.rank] for i in range(steps)]
+        return self._plans[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self.rank_plan(epoch))
+
+    def total_steps(self, epochs: float) -> int:
+        """Optimizer steps in `epochs` (a fractional last epoch is rounded to whole steps)."""
+        whole = int(epochs)
+        total = sum(self.steps_in_epoch(e) for e in range(whole))
+        if epochs > whole:
+            total += round((epochs - whole) * self.steps_in_epoch(whole))
+        return max(total, 1)
+
+    def position_after(self, pos: DataPosition) -> DataPosition:
+        nxt = DataPosition(pos.epoch, pos.batch + 1)
+        return nxt if nxt.batch < self.steps_in_epoch(pos.epoch) else DataPosition(pos.epoch + 1, 0)
+
+    def load(self, indices: Sequence[int]) -> Batch:
+        refs = [self.samples[i] for i in indices]
+        return collate([load_sample(self.store, r) for r in refs], refs)
+
+    def iterate(self, start: DataPosition = DataPosition()) -> Iterator[tuple[DataPosition, Batch]]:
+        """(position, batch) from `start` on, endlessly across epochs; the caller stops."""
+
+        def positions() -> Iterator[DataPosition]:
+            pos = start
+            while True:
+                if pos.batch >= self.steps_in_epoch(pos.epoch):
+                    if self.steps_in_epoch(pos.epoch) == 0:
+                        raise DataError(
+                            f"epoch {pos.epoch} has no batches for rank {self.rank} of {self.world_size}: "
+                            f"too few samples ({len(self.samples)}) for the world size"
+                        )
+                    pos = DataPosition(pos.epoch + 1, 0)
+                    continue
+                yield pos
+                pos = DataPosition(pos.epoch, pos.batch + 1)
+
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="drafter-data") as pool:
+            pending: deque[tuple[DataPosition, Future[Batch]]] = deque()
+            source = positions()
+            try:
+                while True:
+                    while len(pending) < self.prefetch:
+                        pos = next(source)
+                        pending.append((pos, pool.submit(self.load, self.rank_plan(pos.epoch)[pos.batch])))
+                    pos, fut = pending.popleft()
+                    yield pos, fut.result()
+            finally:
+                for _, fut in pending:
+                    fut.cancel()
+
+
+def heldout_batches(samples: Sequence[SampleRef], budget: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+    """Held-out batches of this rank: sorted by length (little padding), no shuffle."""
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].length, i))
+    return pack_by_length([s.length for s in samples], order, budget)[rank::world_size]

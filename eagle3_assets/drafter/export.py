@@ -1,0 +1,181 @@
+"""Write the servable drafter: `drafter/export/config.json` + `model.safetensors` (DESIGN §5).
+
+`expected_export_tensors` is the one place that says which tensors an export holds and
+their shapes. vLLM leaves a missing weight uninitialised without a word, so the
+exporter checks the state dict against that list before anything is written and fails
+naming every missing, extra or misshaped tensor. The directory is assembled locally
+and published with one rename.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3_assets.drafter.checkpoint import read_checkpoint_state, read_model_tensors
+from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.storage import ArtifactStore
+
+EXPORT_DIR = "drafter/export"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportError(ValueError):
+    """The drafter's tensors do not match what engines load; the message names each one."""
+
+
+def expected_export_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in `model.safetensors`, under the names vLLM and SGLang load.
+
+    vLLM renames `midlayer.` to `layers.0.` and stacks q/k/v and gate/up itself; SGLang
+    reads `midlayer.` as is. The embedding is left out: both engines share the target's.
+    `d2t` is left out when the draft vocab is the whole target vocab: vLLM then has no
+    draft-to-target table to load it into and would reject the name.
+    """
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, cfg.num_aux_layers * h),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        del shapes["d2t"]
+    return shapes
+
+
+def export_problems(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> list[str]:
+    """Everything that would make an engine misload the export; empty when it is right."""
+    expected = expected_export_tensors(cfg)
+    problems = [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in tensors]
+    problems += [f"unexpected tensor {n} {list(tensors[n].shape)}" for n in sorted(tensors) if n not in expected]
+    problems += [
+        f"tensor {n} is {list(tensors[n].shape)}, expected {list(s)}"
+        for n, s in expected.items()
+        if n in tensors and tuple(tensors[n].shape) != s
+    ]
+    if problems:
+        return problems
+    t2d = tensors["t2d"]
+    if t2d.dtype != torch.bool:
+        problems.append(f"t2d is {t2d.dtype}, expected torch.bool")
+    elif "d2t" in tensors:
+        d2t = tensors["d2t"]
+        if d2t.dtype != torch.int64:
+            problems.append(f"d2t is {d2t.dtype}, expected torch.int64")
+        elif not torch.equal(torch.nonzero(t2d).flatten(), d2t + torch.arange(len(d2t))):
+            problems.append("d2t and t2d disagree: nonzero(t2d) != d2t + arange(draft_vocab_size)")
+    elif not bool(t2d.all()):
+        problems.append("draft vocab is the full vocab but t2d is not all True")
+    return problems
+
+
+def export_config(
+    cfg: DrafterConfig, *, aux_layer_ids: list[int], dtype: str, max_position_embeddings: int | None = None
+) -> dict[str, Any]:
+    """config.json: a one-layer Llama marked as an EAGLE-3 drafter, with the aux layers for both engines."""
+    ids = [int(i) for i in aux_layer_ids]
+    if len(ids) != cfg.num_aux_layers or len(set(ids)) != len(ids) or min(ids) < 1:
+        raise ExportError(f"aux_layer_ids {ids}: need {cfg.num_aux_layers} distinct 'input of layer i' ids >= 1")
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        # The drafter was trained with plain (unscaled) rotary embeddings at this theta.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        # Matches the trained layer: the residual is the raw hidden state. Written out
+        # because vLLM's default for it differs between checkpoint formats.
+        "norm_before_residual": False,
+        # vLLM 0.32 reads the top-level ids ("input of layer i", as extracted) first;
+        # SGLang reads eagle_config's and adds 1. Both then feed the trained layers.
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]},
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def export_drafter(
+    store: ArtifactStore,
+    tensors: dict[str, torch.Tensor],
+    cfg: DrafterConfig,
+    *,
+    aux_layer_ids: list[int],
+    dtype: str = "bfloat16",
+    max_position_embeddings: int | None = None,
+    rel: str = EXPORT_DIR,
+) -> str:
+    """Check `tensors` (e.g. `model.trainable_state_dict()`), then publish `rel`/ atomically; returns its URL."""
+    if dtype not in _DTYPES:
+        raise ExportError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    tensors = dict(tensors)
+    if cfg.draft_vocab_size == cfg.vocab_size and "d2t" in tensors:
+        d2t = tensors.pop("d2t")
+        if bool(d2t.any()):
+            raise ExportError("draft vocab is the full vocab but d2t is not all zeros (not the identity map)")
+    problems = export_problems(tensors, cfg)
+    if problems:
+        raise ExportError(f"drafter export to {store.url_of(rel)} refused:\n  " + "\n  ".join(problems))
+    config = export_config(cfg, aux_layer_ids=aux_layer_ids, dtype=dtype, max_position_embeddings=max_position_embeddings)
+    out = {
+        n: t.detach().cpu().contiguous() if n in ("d2t", "t2d") else t.detach().to(_DTYPES[dtype]).cpu().contiguous()
+        for n, t in tensors.items()
+    }
+    with tempfile.TemporaryDirectory(prefix="drafter-export-") as tmp:
+        save_file(out, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        store.put_dir(tmp, rel)
+    return store.url_of(rel)
+
+
+def export_from_checkpoint(
+    store: ArtifactStore,
+    checkpoint: str,
+    *,
+    dtype: str = "bfloat16",
+    max_position_embeddings: int | None = None,
+    rel: str = EXPORT_DIR,
+) -> str:
+    """Export the drafter saved in `checkpoint` (a store-relative checkpoint directory)."""
+    state = read_checkpoint_state(store, checkpoint).state
+    cfg = DrafterConfig(**state["drafter_config"])
+    return export_drafter(
+        store,
+        read_model_tensors(store, checkpoint),
+        cfg,
+        aux_layer_ids=state["aux_layer_ids"],
+        dtype=dtype,
+        max_position_embeddings=max_position_embeddings,
+        rel=rel,
+    )

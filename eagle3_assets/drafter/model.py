@@ -1,0 +1,308 @@
+"""The EAGLE-3 draft model: one Llama-style decoder layer over fused target features (DESIGN §5).
+
+Read top to bottom: config, then the modules from small to large (norm, rotary,
+attention, MLP, the decoder layer, the drafter). Parameter names are the ones vLLM's
+`llama_eagle3.py` and SGLang load (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`);
+the exporter (`export.py`) owns the exact list and checks it.
+
+Shapes: B batch, T positions, H hidden size, A = 3H fused aux width, nh/nkv query/kv
+heads, hd head dim, I MLP width, V target vocab, Vd draft vocab.
+
+Training-time test (TTT) attention. Step 0 reads the fused target features fc(aux[t])
+and the embedding of token t+1 at every index t. Step k > 0 reads, at index t, the
+drafter's own pre-norm output of step k-1 at index t and the embedding of token
+t+1+k: index t of step k plays the token the drafter would propose k places after
+t+1. Its query attends to
+  - step-0 keys/values at every index s <= t (causal: the prefix the target verified), and
+  - step-j keys/values (1 <= j <= k) at index t only (its own earlier draft tokens),
+which is the KV cache a serving engine holds when it drafts k tokens past t+1. This is
+the pattern of the EAGLE-3 reference and SpecForge. Rotary positions follow the serving
+engine too: step k at index t sits at position t + k (vLLM advances the position by one
+per draft token), so query/key offsets match what the drafter meets at inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int  # H, the target's hidden size
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # V, the target vocabulary (the frozen embedding's rows)
+    draft_vocab_size: int  # Vd, the lm_head's rows
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    num_aux_layers: int = 3
+
+    def __post_init__(self) -> None:
+        if self.head_dim < 32:
+            raise ValueError(f"head_dim {self.head_dim} < 32: vLLM cannot serve it (DESIGN §6)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside 1..vocab_size ({self.vocab_size})")
+
+    @classmethod
+    def from_target_config(
+        cls, target: dict[str, Any], *, draft_vocab_size: int, intermediate_size: int | None = None
+    ) -> DrafterConfig:
+        """The drafter shaped like the target (HF config.json as a dict; `text_config` of a VLM is used)."""
+        cfg = target.get("text_config", target)
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(intermediate_size or cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama default ("neox", rotate-half) rotary tables for integer positions [...] -> [..., hd]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, heads, T, hd]; cos/sin [B, T, hd] broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
+
+
+def ttt_attention_mask(seq_len: int, num_steps: int, device: torch.device | None = None) -> torch.Tensor:
+    """Which keys a query of the latest TTT step sees: bool [T, num_steps * T] (True = attend).
+
+    Block 0 is the causal mask over step-0 keys; block j >= 1 is the identity (step j's
+    key at the query's own index). See the module docstring.
+    """
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    own = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [own] * (num_steps - 1), dim=1)
+
+
+class KVCache:
+    """Keys/values of the TTT steps so far, one [B, nkv, T, hd] pair per step."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.append(k)
+        self.values.append(v)
+        return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)  # [B, nkv, steps*T, hd]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read the 2H-wide [embedding | hidden] input."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        nh, nkv, hd, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        nh, nkv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.append(k, v)  # [B, nkv, steps*T, hd]
+        mask = ttt_attention_mask(T, len(cache), device=x.device)  # [T, steps*T]
+        # The fused kernels take an arbitrary mask, so the [T, steps*T] scores are never
+        # materialised per head (memory stays linear in T on GPU).
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)  # [B, nh, T, hd]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hd))  # [B, T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The `midlayer`: attention over cat(input_layernorm(embed), hidden_norm(h)), residual = raw h.
+
+    The residual being the raw (un-normed) hidden is `norm_before_residual: false` in
+    vLLM's terms; the exported config says so explicitly.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        # embeds, hidden [B, T, H]
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        h = hidden + self.self_attn(x, cos, sin, cache)  # [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H], the pre-norm output
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(
+        self, cfg: DrafterConfig, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor | None = None
+    ):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        # The target's embedding [V, H], frozen and kept in its own dtype (Kimi: 2.3 GB in
+        # bf16); engines share the target's, so it is never exported. Zeros when not given.
+        if embed_tokens is None:
+            embed_tokens = torch.zeros(cfg.vocab_size, h)
+        if tuple(embed_tokens.shape) != (cfg.vocab_size, h):
+            raise ValueError(f"embedding is {list(embed_tokens.shape)}, expected [{cfg.vocab_size}, {h}]")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h, _weight=embed_tokens.detach(), _freeze=True)
+        self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        d2t, t2d = torch.as_tensor(d2t, dtype=torch.int64), torch.as_tensor(t2d, dtype=torch.bool)
+        if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
+            raise ValueError(
+                f"vocab map shapes d2t {list(d2t.shape)}, t2d {list(t2d.shape)} do not fit "
+                f"draft_vocab_size {cfg.draft_vocab_size} / vocab_size {cfg.vocab_size}"
+            )
+        self.register_buffer("d2t", d2t)  # [Vd] target id = draft id + d2t[draft id]
+        self.register_buffer("t2d", t2d)  # [V] target id is in the draft vocab
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen embedding: what checkpoints and exports hold."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, A] -> [B, T, H]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [B, T] -> [B, T, H]
+
+    def step(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One TTT step: token ids [B, T], hidden [B, T, H], positions [B, T] -> pre-norm hidden [B, T, H]."""
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        return self.midlayer(self.embed(input_ids), hidden, cos, sin, cache)
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(prenorm))  # [B, T, H] -> [B, T, Vd]
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+        """Draft logits of TTT steps 0..num_steps-1, each [B, T, Vd] (see `unroll`)."""
+        return [self.logits(h) for h in self.unroll(input_ids, aux, num_steps)]
+
+    def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+        """The TTT unroll: pre-norm hidden states of steps 0..num_steps-1, each [B, T, H].
+
+        input_ids [B, T] are the sequence's own tokens (index t holds token t); aux
+        [B, T, A] the target's fused features at each position. Step k reads token
+        t+1+k (0 past the end; those positions carry no loss) and, for k > 0, the
+        step k-1 output at the same index.
+        """
+        B, T = input_ids.shape
+        cache = KVCache()
+        index = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden = self.project(aux)  # [B, T, H]
+        outputs = []
+        for k in range(num_steps):
+            shifted = torch.zeros_like(input_ids)
+            if k + 1 < T:
+                shifted[:, : T - 1 - k] = input_ids[:, 1 + k :]
+            hidden = self.step(shifted, hidden, index + k, cache)
+            outputs.append(hidden)
+        return outputs
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+__all__ = [
+    "DrafterConfig",
+    "Eagle3Drafter",
+    "KVCache",
+    "count_parameters",
+    "rms_norm",
+    "rotary_cos_sin",
+    "ttt_attention_mask",
+]

@@ -1,0 +1,177 @@
+"""Serve an exported drafter with its target in vLLM, generate greedily, read the acceptance.
+
+`generate(...)` builds an `LLM` in this process: vLLM starts worker processes, so the
+calling script needs an `if __name__ == "__main__":` guard (DESIGN §6).
+`generate_in_subprocess(...)` runs the same in a fresh interpreter
+(`python -m eagle3_assets.drafter.vllm_eval request.json result.json`), which is what a
+Dagster asset or a test should call.
+
+Acceptance (vLLM's spec-decode counters): mean acceptance length = 1 + accepted /
+drafts (tokens produced per target forward), and per position i the share of drafts
+whose i-th draft token was accepted.
+
+`zero_fc=True` serves a copy of the export with `fc.weight` zeroed: the drafter then
+sees no target features at all, the baseline that shows what the features buy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+_SPEC_PREFIX = "vllm:spec_decode_"
+
+
+@dataclass
+class GenerationResult:
+    outputs: list[list[int]]  # generated token ids, one list per prompt
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_per_position": self.acceptance_per_position,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> GenerationResult:
+        return cls(
+            outputs=d["outputs"],
+            num_drafts=d["num_drafts"],
+            num_draft_tokens=d["num_draft_tokens"],
+            num_accepted_tokens=d["num_accepted_tokens"],
+            accepted_per_position=d["accepted_per_position"],
+        )
+
+
+def zero_fc_copy(export_dir: str | Path, out_dir: str | Path) -> Path:
+    """A copy of an export whose `fc.weight` is all zeros (the "features zeroed" drafter)."""
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(export_dir / "config.json", out_dir / "config.json")
+    tensors = load_file(str(export_dir / "model.safetensors"))
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{export_dir}/model.safetensors has no fc.weight to zero")
+    tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _spec_counters(metrics: list) -> dict[str, object]:
+    """vLLM's spec-decode counters by short name, summed over engines/labels."""
+    out: dict[str, object] = {}
+    for m in metrics:
+        if not m.name.startswith(_SPEC_PREFIX):
+            continue
+        key = m.name[len(_SPEC_PREFIX) :]
+        if hasattr(m, "values"):
+            prev = out.get(key, [0] * len(m.values))
+            out[key] = [a + b for a, b in zip(prev, m.values)]  # type: ignore[arg-type]
+        elif hasattr(m, "value"):
+            out[key] = out.get(key, 0) + m.value  # type: ignore[operator]
+    return out
+
+
+def generate(
+    target_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    draft_dir: str | Path | None = None,
+    num_speculative_tokens: int = 3,
+    max_tokens: int = 32,
+    zero_fc: bool = False,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    ignore_eos: bool = True,
+    enforce_eager: bool = True,
+) -> GenerationResult:
+    """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with tempfile.TemporaryDirectory(prefix="drafter-zero-fc-") as tmp:
+        spec = None
+        if draft_dir is not None:
+            model_dir = zero_fc_copy(draft_dir, tmp) if zero_fc else Path(draft_dir)
+            spec = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": num_speculative_tokens}
+        llm = LLM(
+            model=str(target_dir),
+            speculative_config=spec,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            disable_log_stats=False,
+            seed=0,
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params, use_tqdm=False)
+        counters = _spec_counters(llm.get_metrics())
+    return GenerationResult(
+        outputs=[list(o.outputs[0].token_ids) for o in outs],
+        num_drafts=int(counters.get("num_drafts", 0)),  # type: ignore[arg-type]
+        num_draft_tokens=int(counters.get("num_draft_tokens", 0)),  # type: ignore[arg-type]
+        num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),  # type: ignore[arg-type]
+        accepted_per_position=[int(x) for x in counters.get("num_accepted_tokens_per_pos", [])],  # type: ignore[union-attr]
+    )
+
+
+def generate_in_subprocess(
+    target_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    timeout_s: float = 900,
+    env: dict[str, str] | None = None,
+    **kwargs,
+) -> GenerationResult:
+    """`generate(...)` in a fresh interpreter; raises RuntimeError with the tail of its output on failure."""
+    with tempfile.TemporaryDirectory(prefix="drafter-vllm-") as tmp:
+        request = Path(tmp) / "request.json"
+        result = Path(tmp) / "result.json"
+        kwargs = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()}
+        token_prompts = [list(map(int, p)) for p in prompts]
+        request.write_text(json.dumps({"target_dir": str(target_dir), "prompts": token_prompts, **kwargs}))
+        run_env = {**os.environ, **(env or {})}
+        # A small KV cache: these machines are shared, and eval prompts are short.
+        run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
+            capture_output=True, text=True, timeout=timeout_s, env=run_env,
+        )
+        if proc.returncode != 0 or not result.exists():
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{tail}")
+        return GenerationResult.from_json(json.loads(result.read_text()))
+
+
+def main(argv: Sequence[str]) -> int:
+    request_path, result_path = argv
+    req = json.loads(Path(request_path).read_text())
+    result = generate(req.pop("target_dir"), req.pop("prompts"), **req)
+    Path(result_path).write_text(json.dumps(result.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

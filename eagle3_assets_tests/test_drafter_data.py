@@ -1,0 +1,162 @@
+"""Hidden-state loading: shard guard, format checks, deterministic resumable batches, held-out split."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from eagle3_assets.drafter.data import (
+    BatchLoader,
+    DataError,
+    DataPosition,
+    MissingShardsError,
+    SampleRef,
+    heldout_batches,
+    index_samples,
+    plan_epoch,
+    require_complete_shards,
+    split_heldout,
+)
+from eagle3_assets.storage import ArtifactStore
+
+from .test_drafter_common import random_rows, tiny_target, write_shard
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_target(tmp_path_factory.mktemp("target"))
+
+
+def test_refuses_to_start_listing_incomplete_shards(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    done = write_shard(store, model, random_rows(2), 0)
+    half = write_shard(store, model, random_rows(2), 2, complete=False)
+    with pytest.raises(MissingShardsError) as e:
+        require_complete_shards(store, [done, half, "rows_4-6"])
+    assert e.value.missing == ["rows_2-4", "rows_4-6"]
+    assert str(e.value).startswith("2 hidden-state shard(s) are not complete (no _SUCCESS.json): rows_2-4, rows_4-6.")
+    require_complete_shards(store, [done])
+    with pytest.raises(DataError, match="no hidden-state shards given"):
+        require_complete_shards(store, [])
+
+
+def test_index_reads_headers_and_names_a_bad_file(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    rows = random_rows(3, seed=1)
+    key = write_shard(store, model, rows, 0)
+    refs, fmt = index_samples(store, [key])
+    assert [(r.row, r.length) for r in refs] == [(i, len(ids)) for i, (ids, _) in enumerate(rows)]
+    assert (fmt.hidden_size, fmt.aux_layer_ids, fmt.storage_dtype) == (64, (1, 2, 3), "float32")
+
+    other = write_shard(store, model, random_rows(1), 3, aux_ids=[1, 2, 4])
+    with pytest.raises(DataError, match=r"rows_3-4/3.safetensors: hidden size 64, aux layers \[1, 2, 4\] differ"):
+        index_samples(store, [key, other])
+
+    bad = {
+        "input_ids": torch.zeros(4, dtype=torch.int64),
+        "loss_mask": torch.zeros(4, dtype=torch.uint8),
+        "aux_hidden_states": torch.zeros(4, 192),
+        "last_hidden_state": torch.zeros(4, 64),
+    }
+    store.write_bytes("hidden_states/rows_9-10/9.safetensors", st_save(bad, metadata={
+        "format": "eagle3-hidden-states/1", "aux_layer_ids": "[1, 2, 3]", "last_hidden_state_norm": "post_norm"}))
+    with pytest.raises(DataError, match=r"rows_9-10/9.safetensors: input_ids is I64\[4\], expected I32\[T\]"):
+        index_samples(store, ["rows_9-10"])
+    store.write_bytes("hidden_states/rows_8-9/8.safetensors", st_save(bad, metadata={"format": "other/2"}))
+    with pytest.raises(DataError, match=r"rows_8-9/8.safetensors: format 'other/2', expected 'eagle3-hidden-states/1'"):
+        index_samples(store, ["rows_8-9"])
+
+
+def test_plan_is_deterministic_covers_every_sample_and_keeps_the_budget():
+    lengths = [5 + (i * 37) % 60 for i in range(300)]
+    a, b = plan_epoch(lengths, 0, 7, 256), plan_epoch(lengths, 0, 7, 256)
+    assert a == b
+    assert plan_epoch(lengths, 1, 7, 256) != a
+    assert sorted(i for batch in a for i in batch) == list(range(300))
+    assert all(max(lengths[i] for i in batch) * len(batch) <= 256 for batch in a)
+    # A row longer than the budget is a batch of its own, never truncated.
+    assert plan_epoch([10, 500, 10], 0, 0, 100).count([1]) == 1
+
+
+def test_resume_from_a_position_gives_the_same_batches(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    key = write_shard(store, model, random_rows(12, seed=3), 0)
+    refs, _ = index_samples(store, [key])
+    loader = BatchLoader(store, refs, batch_tokens=64, seed=1)
+    n0 = loader.steps_in_epoch(0)
+    full = []
+    for pos, batch in loader.iterate():
+        full.append((pos, [(s.row) for s in batch.samples], batch.input_ids.clone()))
+        if len(full) == n0 + 3:
+            break
+    start = full[n0 - 1][0]
+    assert start == DataPosition(0, n0 - 1)
+    resumed = []
+    for pos, batch in BatchLoader(store, refs, batch_tokens=64, seed=1).iterate(start):
+        resumed.append((pos, [(s.row) for s in batch.samples], batch.input_ids.clone()))
+        if len(resumed) == 4:
+            break
+    assert [(p, r) for p, r, _ in resumed] == [(p, r) for p, r, _ in full[n0 - 1 :]]
+    assert all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(resumed, full[n0 - 1 :]))
+    assert resumed[1][0] == DataPosition(1, 0)
+    assert loader.position_after(DataPosition(0, n0 - 1)) == DataPosition(1, 0)
+
+
+def test_batch_contents_are_padded_rows(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    rows = random_rows(2, seed=4)
+    key = write_shard(store, model, rows, 0, dtype=torch.bfloat16)
+    refs, fmt = index_samples(store, [key])
+    assert fmt.storage_dtype == "bfloat16"
+    b = BatchLoader(store, refs, batch_tokens=1000, seed=0).load([1, 0])
+    T = max(len(r[0]) for r in rows)
+    assert b.input_ids.shape == (2, T) and b.aux.shape == (2, T, 192) and b.aux.dtype == torch.bfloat16
+    assert b.lengths.tolist() == [len(rows[1][0]), len(rows[0][0])]
+    assert b.input_ids[0, : len(rows[1][0])].tolist() == rows[1][0]
+    assert b.loss_mask[1, : len(rows[0][1])].tolist() == rows[0][1]
+    assert b.input_ids[0, len(rows[1][0]) :].abs().sum() == 0
+    assert b.num_tokens == len(rows[0][0]) + len(rows[1][0])
+
+
+def test_memory_store(model):
+    store = ArtifactStore(f"memory://drafter-data-{uuid.uuid4().hex}")
+    rows = random_rows(4, seed=6)
+    key = write_shard(store, model, rows, 0, norm="pre_norm")
+    refs, _ = index_samples(store, [key])
+    loader = BatchLoader(store, refs, batch_tokens=1000, seed=0)
+    (pos, batch), = [next(iter(loader.iterate()))]
+    assert pos == DataPosition(0, 0)
+    assert sorted(s.row for s in batch.samples) == [0, 1, 2, 3]
+    assert batch.pre_norm.tolist() == [True] * 4
+
+
+def test_heldout_split_is_deterministic_and_disjoint():
+    refs = [SampleRef("rows_0-50", i, 10 + i) for i in range(50)]
+    train, held = split_heldout(refs, 8, seed=0)
+    assert (train, held) == split_heldout(refs, 8, seed=0)
+    assert len(held) == 8 and not set(train) & set(held) and len(train) == 42
+    assert split_heldout(refs, 8, seed=1)[1] != held
+    with pytest.raises(DataError, match="heldout_rows=50 leaves nothing to train on: the shards hold 50 samples"):
+        split_heldout(refs, 50, seed=0)
+    # Ranks split the held-out batches between them.
+    all_b = heldout_batches(held, 40)
+    rank0, rank1 = heldout_batches(held, 40, 0, 2), heldout_batches(held, 40, 1, 2)
+    assert rank0 and rank1
+    assert sorted(map(tuple, rank0 + rank1)) == sorted(map(tuple, all_b))
+
+
+def test_ranks_take_disjoint_equal_shares():
+    refs = [SampleRef("rows_0-64", i, 8 + (i % 5)) for i in range(64)]
+    r0 = BatchLoader(None, refs, batch_tokens=128, seed=0, rank=0, world_size=2)  # type: ignore[arg-type]
+    r1 = BatchLoader(None, refs, batch_tokens=128, seed=0, rank=1, world_size=2)  # type: ignore[arg-type]
+    assert r0.budget == 64
+    p0, p1 = r0.rank_plan(0), r1.rank_plan(0)
+    assert len(p0) == len(p1) > 0
+    seen = Counter(i for b in p0 + p1 for i in b)
+    assert max(seen.values()) == 1
+    assert json.dumps(p0) != json.dumps(p1)

@@ -1,0 +1,199 @@
+"""The draft model: shapes, parameter names, and the TTT attention pattern against a naive reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3_assets.drafter.export import expected_export_tensors
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, KVCache, rms_norm, rotary_cos_sin, ttt_attention_mask
+
+CFG = DrafterConfig(
+    hidden_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    intermediate_size=128,
+    vocab_size=256,
+    draft_vocab_size=64,
+    rms_norm_eps=1e-5,
+)
+
+
+def make_model(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    used = torch.arange(0, 256, 4)
+    t2d = torch.zeros(256, dtype=torch.bool)
+    t2d[used] = True
+    model = Eagle3Drafter(CFG, used - torch.arange(64), t2d)
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_()
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)  # norms away from 1, so a skipped norm shows
+    return model.eval()
+
+
+def inputs(B: int = 2, T: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, T), generator=g), torch.randn(B, T, 3 * 64, generator=g)
+
+
+def test_forward_backward_shapes_and_frozen_embedding():
+    model = make_model().train()
+    ids, aux = inputs()
+    logits = model(ids, aux, 3)
+    assert [tuple(x.shape) for x in logits] == [(2, 7, 64)] * 3
+    sum(x.logsumexp(-1).sum() for x in logits).backward()
+    assert model.embed_tokens.weight.grad is None
+    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_parameter_names_are_the_ones_engines_load():
+    sd = make_model().trainable_state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expected_export_tensors(CFG)
+    assert sorted(sd) == sorted(
+        [
+            "fc.weight",
+            "midlayer.input_layernorm.weight",
+            "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight",
+            "midlayer.self_attn.k_proj.weight",
+            "midlayer.self_attn.v_proj.weight",
+            "midlayer.self_attn.o_proj.weight",
+            "midlayer.post_attention_layernorm.weight",
+            "midlayer.mlp.gate_proj.weight",
+            "midlayer.mlp.up_proj.weight",
+            "midlayer.mlp.down_proj.weight",
+            "norm.weight",
+            "lm_head.weight",
+            "d2t",
+            "t2d",
+        ]
+    )
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # q/k/v read the 2H-wide input
+
+
+def test_ttt_mask_pattern():
+    assert ttt_attention_mask(3, 3).int().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
+
+
+def naive_unroll(model: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The documented TTT computation written out position by position, for one sequence."""
+    cfg, layer = model.config, model.midlayer
+    attn = layer.self_attn
+    T = ids.shape[0]
+    hidden = model.fc(aux)  # [T, H]
+    keys, values, outs = [], [], []  # per step: [nkv, T, hd]
+    for k in range(steps):
+        tok = torch.tensor([int(ids[t + 1 + k]) if t + 1 + k < T else 0 for t in range(T)])
+        emb = model.embed_tokens(tok)
+        x = torch.cat([rms_norm(emb, layer.input_layernorm.weight, cfg.rms_norm_eps),
+                       rms_norm(hidden, layer.hidden_norm.weight, cfg.rms_norm_eps)], -1)
+        cos, sin = rotary_cos_sin(torch.arange(T) + k, cfg.head_dim, cfg.rope_theta)  # position t + k
+
+        def rope(z):  # z [heads, T, hd]
+            z1, z2 = z.chunk(2, -1)
+            return z * cos + torch.cat([-z2, z1], -1) * sin
+
+        q = rope(attn.q_proj(x).view(T, 2, 32).transpose(0, 1))
+        keys.append(rope(attn.k_proj(x).view(T, 1, 32).transpose(0, 1)))
+        values.append(attn.v_proj(x).view(T, 1, 32).transpose(0, 1))
+        y = torch.zeros(T, 2, 32)
+        for t in range(T):
+            for h in range(2):
+                # step-0 keys at s <= t, then step j's key at t for j = 1..k
+                ks = [keys[0][0, s] for s in range(t + 1)] + [keys[j][0, t] for j in range(1, k + 1)]
+                vs = [values[0][0, s] for s in range(t + 1)] + [values[j][0, t] for j in range(1, k + 1)]
+                w = torch.softmax(torch.stack(ks) @ q[h, t] / math.sqrt(32), 0)
+                y[t, h] = w @ torch.stack(vs)
+        h1 = hidden + attn.o_proj(y.reshape(T, 64))
+        hidden = h1 + layer.mlp(rms_norm(h1, layer.post_attention_layernorm.weight, cfg.rms_norm_eps))
+        outs.append(hidden)
+    return outs
+
+
+@torch.no_grad()
+def test_unroll_matches_the_documented_attention_pattern():
+    model = make_model()
+    ids, aux = inputs(B=2, T=6)
+    got = model.unroll(ids, aux, 3)
+    for b in range(2):
+        want = naive_unroll(model, ids[b], aux[b], 3)
+        for k in range(3):
+            torch.testing.assert_close(got[k][b], want[k], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_step_k_feeds_back_step_k_minus_1_output_at_the_same_index():
+    model = make_model()
+    ids, aux = inputs(B=1, T=8)
+    base = model.unroll(ids, aux, 3)
+
+    calls = {"n": 0}
+
+    def perturb_first_step(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 1:  # step 0's output, index 3 only
+            output = output.clone()
+            output[:, 3] += 1.0
+            return output
+
+    handle = model.midlayer.register_forward_hook(perturb_first_step)
+    try:
+        perturbed = model.unroll(ids, aux, 3)
+    finally:
+        handle.remove()
+    changed = (perturbed[1] - base[1]).abs().amax(-1)[0] > 1e-6  # [T]
+    # Step 1 at index 3 read the perturbed state; no other index of step 1 reads it
+    # (they attend to step-0 keys, computed from fc(aux), and their own index).
+    assert changed.tolist() == [t == 3 for t in range(8)]
+    assert ((perturbed[2] - base[2]).abs().amax(-1)[0] > 1e-6).tolist() == [t == 3 for t in range(8)]
+
+
+@torch.no_grad()
+def test_aux_features_reach_later_indices_only():
+    model = make_model()
+    ids, aux = inputs(B=1, T=8)
+    base = model.unroll(ids, aux, 2)
+    aux2 = aux.clone()
+    aux2[0, 4] += 1.0
+    moved = model.unroll(ids, aux2, 2)
+    for k in range(2):
+        changed = ((moved[k] - base[k]).abs().amax(-1)[0] > 1e-6).tolist()
+        assert changed == [t >= 4 for t in range(8)], k
+
+
+def test_sdpa_mask_rows_match_explicit_softmax():
+    # The fused kernel with a boolean mask computes the masked softmax we document.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 4, 32, generator=g) for _ in range(3))
+    keys, vals = torch.cat([k, k * 2], 2), torch.cat([v, -v], 2)
+    mask = ttt_attention_mask(4, 2)
+    scores = (q @ keys.transpose(-1, -2)) / math.sqrt(32)
+    want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vals
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask), want)
+
+
+def test_config_from_target_config_and_bad_shapes():
+    target = {
+        "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
+        "vocab_size": 163840, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+    }
+    cfg = DrafterConfig.from_target_config({"text_config": target}, draft_vocab_size=32000)
+    assert (cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings) == (112, 50000.0, 262144)
+    assert (cfg.intermediate_size, cfg.num_key_value_heads) == (18432, 64)
+    with pytest.raises(ValueError, match="head_dim 16 < 32"):
+        DrafterConfig.from_target_config({**target, "head_dim": 16}, draft_vocab_size=32000)
+    with pytest.raises(ValueError, match=r"vocab map shapes d2t \[10\]"):
+        Eagle3Drafter(CFG, torch.zeros(10, dtype=torch.int64), torch.zeros(256, dtype=torch.bool))
+    assert KVCache().__len__() == 0

@@ -1,0 +1,231 @@
+"""Training runs: a killed run resumes with the same step counter and loss curve, time slices,
+memory:// stores, checkpoint contents, the shard guard, and that the drafter learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_assets.drafter.checkpoint import CheckpointError, list_checkpoints
+from eagle3_assets.drafter.train import TrainingError, train_drafter
+from eagle3_assets.settings import TrainingSettings
+from eagle3_assets.storage import ArtifactStore
+
+from .test_drafter_common import greedy_vocab_map, random_rows, tiny_target, write_shard
+
+SETTINGS = TrainingSettings(
+    ttt_steps=3, lr=3e-3, warmup_steps=2, epochs=2.0, batch_tokens=96, checkpoint_every=2, heldout_rows=4, seed=0
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A target and two complete shards of 16 rows, written once; tests copy the store."""
+    root = tmp_path_factory.mktemp("train-data")
+    model = tiny_target(root / "target")
+    store = ArtifactStore(root / "store")
+    rows = random_rows(32, seed=0, min_len=8, max_len=16)
+    keys = [write_shard(store, model, rows[:16], 0), write_shard(store, model, rows[16:], 16)]
+    d2t, t2d = greedy_vocab_map(model, rows)
+    return root, keys, d2t, t2d
+
+
+def copy_store(data, dest: Path) -> ArtifactStore:
+    root, *_ = data
+    shutil.copytree(root / "store", dest)
+    return ArtifactStore(dest)
+
+
+def run(store, data, settings=SETTINGS, **kw):
+    root, keys, d2t, t2d = data
+    curve: dict[int, float] = {}
+    result = train_drafter(
+        store, keys, d2t=d2t, t2d=t2d, target_dir=root / "target", settings=settings,
+        on_metrics=lambda step, m: curve.setdefault(step, m["loss"]) if "loss" in m else None,
+        log=lambda _: None, **kw,
+    )
+    return result, curve
+
+
+KILLED_RUN = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import numpy as np, torch
+    from eagle3_assets.drafter.train import train_drafter
+    from eagle3_assets.settings import TrainingSettings
+    from eagle3_assets.storage import ArtifactStore
+
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(args["threads"])
+    log = open(args["curve"], "a")
+
+    def on_metrics(step, m):
+        log.write(json.dumps([step, m["loss"]]) + "\\n")
+        log.flush()
+        if step == args["kill_at"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    train_drafter(
+        ArtifactStore(args["store"]), args["keys"], d2t=np.array(args["d2t"]), t2d=np.array(args["t2d"]),
+        target_dir=args["target"], settings=TrainingSettings(**args["settings"]), on_metrics=on_metrics,
+    )
+    """
+)
+
+
+def test_killed_run_resumes_with_the_same_step_counter_and_loss_curve(tmp_path, data):
+    root, keys, d2t, t2d = data
+    reference, ref_curve = run(copy_store(data, tmp_path / "ref"), data)
+    assert reference.finished and reference.step == reference.total_steps == len(ref_curve) > 6
+
+    store = copy_store(data, tmp_path / "killed")
+    script = tmp_path / "killed_run.py"
+    script.write_text(KILLED_RUN)
+    args = {
+        "threads": torch.get_num_threads(), "curve": str(tmp_path / "curve.jsonl"), "kill_at": 5,
+        "store": str(tmp_path / "killed"), "keys": keys, "d2t": d2t.tolist(), "t2d": t2d.tolist(),
+        "target": str(root / "target"), "settings": SETTINGS.model_dump(),
+    }
+    proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    killed_curve = [json.loads(line) for line in (tmp_path / "curve.jsonl").read_text().splitlines()]
+    assert [s for s, _ in killed_curve] == [1, 2, 3, 4, 5]
+    assert list_checkpoints(store) == [2, 4]  # every 2 steps, the last two kept; step 5 never checkpointed
+
+    resumed, curve = run(store, data)
+    assert resumed.resumed_from == 4
+    assert sorted(curve) == list(range(5, reference.total_steps + 1))  # the counter continues at 5
+    # The loss curve continues where the killed run left it, equal step for step to the
+    # uninterrupted run (CPU, same thread count: deterministic).
+    assert {s: l for s, l in killed_curve} == {s: ref_curve[s] for s in range(1, 6)}
+    assert curve == {s: ref_curve[s] for s in curve}
+    assert resumed.heldout == reference.heldout
+    for name, tensor in resumed.model.trainable_state_dict().items():
+        assert torch.equal(tensor, reference.model.trainable_state_dict()[name]), name
+    assert list_checkpoints(store)[-1] == reference.total_steps
+
+
+def test_time_slices_on_a_memory_store_and_checkpoint_contents(data):
+    root, keys, d2t, t2d = data
+    store = ArtifactStore(f"memory://drafter-train-{uuid.uuid4().hex}")
+    for key in keys:
+        for name in ArtifactStore(root / "store").listdir(f"hidden_states/{key}"):
+            store.write_bytes(f"hidden_states/{key}/{name}", (root / "store/hidden_states" / key / name).read_bytes())
+    first, curve1 = run(store, data, max_steps=3)
+    assert (first.step, first.finished, first.heldout, first.checkpoint) == (3, False, {}, "drafter/checkpoints/step_3")
+    assert sorted(store.listdir("drafter/checkpoints/step_3")) == [
+        "model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"
+    ]
+    state = store.read_json("drafter/checkpoints/step_3/state.json")
+    assert state["step"] == 3 and state["aux_layer_ids"] == [1, 2, 3]
+    assert state["drafter_config"]["draft_vocab_size"] == 64
+    # TensorBoard events were copied from the local writer into the store.
+    assert any(n.startswith("events.out.tfevents") for n in store.listdir("drafter/tensorboard/run_from_step_0"))
+
+    second, curve2 = run(store, data)
+    assert second.resumed_from == 3 and second.finished and sorted(curve2)[0] == 4
+    # Called again when already done: no step runs, the result still carries the metrics.
+    third, curve3 = run(store, data)
+    assert (third.step, third.resumed_from, curve3) == (second.step, second.step, {})
+    assert third.metrics == second.metrics and third.heldout == second.heldout
+    assert set(second.heldout) >= {"loss", "acc_0", "acc_1", "acc_2"}
+    # One event directory per call (the third logged only its held-out figures).
+    runs = ["run_from_step_0", "run_from_step_3", f"run_from_step_{second.step}"]
+    assert store.listdir("drafter/tensorboard") == sorted(runs)
+
+
+def test_changed_settings_refuse_to_resume_and_missing_shards_refuse_to_start(tmp_path, data):
+    store = copy_store(data, tmp_path / "s")
+    run(store, data, max_steps=2)
+    with pytest.raises(CheckpointError, match=r"settings.batch_tokens: checkpoint 96, now 128"):
+        run(store, data, settings=SETTINGS.model_copy(update={"batch_tokens": 128}))
+    fresh, _ = run(store, data, settings=SETTINGS.model_copy(update={"batch_tokens": 128}), resume=False, max_steps=1)
+    assert fresh.resumed_from is None and fresh.step == 1
+
+    os.remove(tmp_path / "s" / "hidden_states" / data[1][1] / "_SUCCESS.json")
+    # A MissingShardsError, and like every drafter training error a TrainingError (what callers catch).
+    with pytest.raises(TrainingError, match=r"1 hidden-state shard\(s\) are not complete \(no _SUCCESS.json\): rows_16-32"):
+        run(store, data)
+
+
+def test_drafter_learns_a_peaked_target(tmp_path):
+    """On a target with confident predictions the drafter fits its training rows (a tiny set of
+    random rows does not generalise to held-out rows; the vLLM test serves what it learned)."""
+    model = tiny_target(tmp_path / "target", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)  # confident: one clear top-1 at most positions
+    model.save_pretrained(tmp_path / "target")
+    store = ArtifactStore(tmp_path / "store")
+    rows = random_rows(48, seed=1, min_len=10, max_len=20)
+    keys = [write_shard(store, model, rows, 0)]
+    d2t, t2d = greedy_vocab_map(model, rows)
+    settings = TrainingSettings(
+        ttt_steps=2, lr=1e-2, warmup_steps=5, epochs=25.0, batch_tokens=256, checkpoint_every=1000, heldout_rows=8
+    )
+    curve: dict[int, dict[str, float]] = {}
+    result = train_drafter(
+        store, keys, d2t=d2t, t2d=t2d, target_dir=tmp_path / "target", settings=settings,
+        on_metrics=curve.__setitem__, log=lambda _: None,
+    )
+    assert result.step == 75
+    first, last = curve[1], curve[75]
+    assert first["acc_0"] < 0.5 and last["acc_0"] > 0.9 and last["acc_1"] > 0.85
+    assert last["loss"] < first["loss"] / 2
+    assert last["lr"] < 1e-4  # cosine decayed to ~0 at the end
+    assert set(result.heldout) == {"loss", "loss_0", "loss_1", "acc_0", "acc_1"}
+
+
+TWO_RANK_RUN = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    import numpy as np, torch
+    from eagle3_assets.drafter.train import train_drafter
+    from eagle3_assets.settings import TrainingSettings
+    from eagle3_assets.storage import ArtifactStore
+
+    args = json.loads(open(sys.argv[1]).read())
+    torch.set_num_threads(1)
+    r = train_drafter(
+        ArtifactStore(args["store"]), args["keys"], d2t=np.array(args["d2t"]), t2d=np.array(args["t2d"]),
+        target_dir=args["target"], settings=TrainingSettings(**args["settings"]), log=lambda _: None,
+    )
+    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in r.model.trainable_state_dict().values())).hexdigest()
+    out = {"step": r.step, "total": r.total_steps, "digest": digest, "heldout": r.heldout}
+    open(os.path.join(args["out"], f"rank_{os.environ['RANK']}.json"), "w").write(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_rank_data_parallel_run(tmp_path, data):
+    """torchrun with 2 CPU ranks (gloo): ranks stay in sync, only rank 0 writes."""
+    root, keys, d2t, t2d = data
+    copy_store(data, tmp_path / "store")
+    (tmp_path / "run.py").write_text(TWO_RANK_RUN)
+    (tmp_path / "args.json").write_text(json.dumps({
+        "store": str(tmp_path / "store"), "keys": keys, "d2t": d2t.tolist(), "t2d": t2d.tolist(),
+        "target": str(root / "target"), "settings": SETTINGS.model_dump(), "out": str(tmp_path),
+    }))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "run.py"), str(tmp_path / "args.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1))
+    assert r0["step"] == r0["total"] == r1["step"] > 0
+    assert r0["digest"] == r1["digest"]  # DistributedDataParallel kept the replicas identical
+    assert r0["heldout"] == r1["heldout"] and set(r0["heldout"]) >= {"acc_0", "acc_1", "acc_2"}
+    store = ArtifactStore(tmp_path / "store")
+    assert list_checkpoints(store)[-1] == r0["total"]
+    assert store.read_json(f"drafter/checkpoints/step_{r0['total']}/state.json")["run"]["world_size"] == 2
