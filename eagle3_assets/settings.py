@@ -71,6 +71,33 @@ class TrainingSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+class VllmSettings(_Section):
+    """Engine settings passed through to vLLM when a backend is `vllm` (generation or extraction)."""
+
+    server_url: str | None = Field(
+        None, description="reuse a vLLM server already running at this URL; None = start one for the run"
+    )
+    host: str = Field("127.0.0.1", description="where a server started by the pipeline listens")
+    port: int = Field(8000, ge=1, le=65535)
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    reasoning_parser: str | None = Field(None, description="e.g. deepseek_r1 when <think>/</think> are single tokens")
+    max_concurrency: int = Field(16, ge=1, description="requests in flight per run")
+    startup_timeout_s: float = Field(900.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as-is")
+
+
+class AlertSettings(_Section):
+    """Stall and failure alerts (issue: operating it)."""
+
+    stall_after_s: float = Field(900.0, gt=0, description="a shard run with no progress for this long is stalled")
+    webhook_env: str = Field(
+        "EAGLE3_ALERT_WEBHOOK", description="name of the environment variable holding the webhook URL (a secret)"
+    )
+
+
 class DemoSettings(_Section):
     """The embedded demo target and prompt set (used when no target/prompts are configured)."""
 
@@ -101,6 +128,8 @@ class Settings(_Section):
     generation: GenerationSettings = GenerationSettings()
     extraction: ExtractionSettings = ExtractionSettings()
     training: TrainingSettings = TrainingSettings()
+    vllm: VllmSettings = VllmSettings()
+    alerts: AlertSettings = AlertSettings()
     demo: DemoSettings = DemoSettings()
 
     @field_validator("aux_layer_ids")
