@@ -4,7 +4,7 @@ Settings come from $EAGLE3_CONFIG (the embedded demo without it) and artifacts l
 under $EAGLE3_ROOT; bad settings fail here, at load, with the field named.
 """
 
-from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus, Definitions, define_asset_job
+from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus, Definitions
 
 from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
@@ -31,14 +31,8 @@ def build_definitions(project: Project) -> Definitions:
             drafter.drafter,
             drafter.drafter_eval,
         ],
-        asset_checks=[data_checks.vocab_map_invariant, shard_checks.shard_integrity, shard_checks.all_shards_integrity],
-        jobs=[
-            define_asset_job(
-                "verify_shards",
-                selection=AssetSelection.checks(shard_checks.all_shards_integrity),
-                description="Run the integrity check over every shard without re-extracting anything.",
-            )
-        ],
+        asset_checks=[data_checks.vocab_map_invariant, shard_checks.shard_integrity],
+        jobs=[shard_checks.verify_shards],
         sensors=[
             AutomationConditionSensorDefinition(
                 "shard_backfill",

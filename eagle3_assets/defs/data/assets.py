@@ -135,7 +135,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
     """The target's answer to every prompt, reasoning kept apart; resumable part by part."""
     store, settings = project.store, project.settings
     rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
-    generator = open_generator(project.target_dir(), settings.generation)
+    generator = open_generator(project.target_dir(), settings.generation, settings.vllm)
     try:
         summary = generate_responses(
             store,

@@ -1,0 +1,179 @@
+"""The asset graph through Dagster, in process, on a tiny demo configuration."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dagster import AssetKey, DagsterInstance, Definitions
+from dagster._core.test_utils import instance_for_test
+from safetensors.numpy import load as st_load
+
+from eagle3_assets.definitions import build_definitions
+from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
+from eagle3_assets.prompts import PROMPTS_FILE
+from eagle3_assets.responses import read_responses
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.tokenized import TokenizedSet
+from eagle3_assets.vocab_map import VOCAB_MAP_FILE
+from eagle3_assets_tests.conftest import TINY_DEMO, tiny_settings
+
+DATA_ASSETS = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
+
+
+def seed_demo_target(store: ArtifactStore, target_dir: Path) -> None:
+    """Put the session's tiny target where the `target_model` asset caches the demo build."""
+    store.put_dir(target_dir, DEMO_MODEL_DIR)
+    store.write_json(DEMO_MODEL_SETTINGS, TINY_DEMO.model_dump())
+
+
+def run(defs: Definitions, instance: DagsterInstance, keys: list[str], partition: str | None = None):
+    job = defs.resolve_implicit_global_asset_job_def()
+    return job.execute_in_process(
+        instance=instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition, raise_on_error=False
+    )
+
+
+def latest_metadata(instance: DagsterInstance, key: str) -> dict:
+    event = instance.get_latest_materialization_event(AssetKey(key))
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, tiny_target_dir):
+    root = tmp_path_factory.mktemp("pipeline") / "store"
+    project = Project(tiny_settings(), ArtifactStore(root))
+    seed_demo_target(project.store, tiny_target_dir)
+    defs = build_definitions(project)
+    with instance_for_test() as instance:
+        result = run(defs, instance, DATA_ASSETS)
+        assert result.success
+        yield project, defs, instance
+
+
+def test_the_five_assets_materialize_with_metadata(pipeline):
+    project, _, instance = pipeline
+    store = project.store
+    assert len(store.read_text(PROMPTS_FILE).splitlines()) == 45
+    records = read_responses(store)
+    assert [r["row"] for r in records] == list(range(45))
+    assert len({r["id"] for r in records}) == 45
+    tset = TokenizedSet.load(store)
+    assert tset.num_rows == 45 and tset.loss_mask.sum() > 0
+    vmap = st_load(store.read_bytes(VOCAB_MAP_FILE))
+    assert vmap["d2t"].shape == (64,) and vmap["t2d"].shape == (320,)
+    assert np.array_equal(np.flatnonzero(vmap["t2d"]), vmap["d2t"] + np.arange(64))
+
+    assert latest_metadata(instance, "prompts")["rows"] == 45
+    assert latest_metadata(instance, "target_model")["source"] == "cached (demo)"
+    assert latest_metadata(instance, "target_model")["num_layers"] == 4
+    resp = latest_metadata(instance, "responses")
+    assert (resp["rows"], resp["rows_failed"], resp["rows_generated"]) == (45, 0, 45)
+    tok = latest_metadata(instance, "tokenized")
+    assert (tok["rows"], tok["shards"], tok["tokens"]) == (45, 3, tset.num_tokens)
+    assert latest_metadata(instance, "vocab_map")["draft_vocab_size"] == 64
+    check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+        [__import__("dagster").AssetCheckKey(AssetKey("vocab_map"), "vocab_map_invariant")]
+    )
+    assert list(check.values())[0].status.value == "SUCCEEDED"
+
+
+def test_tokenized_registers_shard_keys_matching_the_row_count(pipeline):
+    _, _, instance = pipeline
+    assert sorted(instance.get_dynamic_partitions("hidden_state_shards")) == ["rows_0-20", "rows_20-40", "rows_40-45"]
+
+
+def test_one_shard_materializes_and_passes_its_check(pipeline):
+    project, defs, instance = pipeline
+    result = run(defs, instance, ["hidden_states"], "rows_40-45")
+    assert result.success
+    assert project.store.listdir("hidden_states/rows_40-45") == [
+        "40.safetensors", "41.safetensors", "42.safetensors", "43.safetensors", "44.safetensors", "_SUCCESS.json"
+    ]
+    checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    assert [(c.event_specific_data.check_name, c.event_specific_data.passed) for c in checks] == [
+        ("shard_integrity", True)
+    ]
+    meta = latest_metadata(instance, "hidden_states")
+    assert (meta["rows_total"], meta["rows_computed"]) == (5, 5)
+    assert meta["samples_done"] == 5 and meta["bytes"] > 0
+    observations = instance.fetch_observations(AssetKey("hidden_states"), limit=100).records
+    assert observations, "progress observations were recorded"
+
+
+def test_vocab_map_rematerializes_alone(pipeline):
+    project, defs, instance = pipeline
+    before = project.store.read_bytes(VOCAB_MAP_FILE)
+    assert run(defs, instance, ["vocab_map"]).success
+    assert project.store.read_bytes(VOCAB_MAP_FILE) == before
+
+
+def test_bad_prompt_file_fails_naming_the_line_and_keeps_the_earlier_copy(pipeline, tmp_path):
+    project, _, instance = pipeline
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": ""}\n')
+    broken = Project(project.settings.model_copy(update={"prompts": str(bad)}), project.store)
+    before = project.store.read_text(PROMPTS_FILE)
+    result = run(build_definitions(broken), instance, ["prompts"])
+    assert not result.success
+    failure = result.failure_data_for_node("prompts")
+    assert f"{bad}:2 (id b): empty prompt" in failure.error.message
+    assert project.store.read_text(PROMPTS_FILE) == before
+
+
+def test_unreadable_model_path_fails_naming_it(pipeline, tmp_path):
+    project, _, instance = pipeline
+    broken = Project(project.settings.model_copy(update={"target_model": str(tmp_path / "no-model")}), project.store)
+    result = run(build_definitions(broken), instance, ["target_model"])
+    assert not result.success
+    assert f"target model path {tmp_path / 'no-model'} is not a readable directory" in (
+        result.failure_data_for_node("target_model").error.message
+    )
+
+
+def test_definitions_load_from_the_environment_and_bad_settings_fail_at_load(tmp_path):
+    env = {**os.environ, "EAGLE3_ROOT": str(tmp_path / "root"), "DAGSTER_HOME": str(tmp_path)}
+    env.pop("EAGLE3_CONFIG", None)
+    code = "from eagle3_assets.definitions import defs; print(sorted(k.to_user_string() for k in defs.resolve_all_asset_keys()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().replace("'", '"')) == sorted(DATA_ASSETS + ["hidden_states", "drafter", "drafter_eval"])
+
+    (tmp_path / "bad.yaml").write_text("draft_vocab_size: 0\naux_layer_ids: [3, 3, 4]\n")
+    env["EAGLE3_CONFIG"] = str(tmp_path / "bad.yaml")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "draft_vocab_size: Input should be greater than or equal to 1" in proc.stderr
+    assert "aux_layer_ids: Value error, layer id 3 appears twice in [3, 3, 4]" in proc.stderr
+
+
+def test_verify_shards_rechecks_without_extracting_and_the_drafter_refuses_bad_shards(pipeline):
+    project, defs, instance = pipeline
+    assert run(defs, instance, ["hidden_states"], "rows_40-45").success
+    path = project.store.local_path("hidden_states/rows_40-45/42.safetensors")
+    path.write_bytes(path.read_bytes()[:-100])  # truncated after the fact
+
+    result = defs.resolve_job_def("verify_shards").execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    evaluations = {
+        e.event_specific_data.partition: e.event_specific_data.passed
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    }
+    # rows_0-20 and rows_20-40 were never extracted; rows_40-45 now has a truncated file
+    assert evaluations == {"rows_0-20": False, "rows_20-40": False, "rows_40-45": False}
+    message = result.failure_data_for_node("verify_all_shards").error.message
+    assert "3 of 3 shards failed the integrity check" in message
+
+    refused = run(defs, instance, ["drafter"])
+    assert not refused.success
+    message = refused.failure_data_for_node("drafter").error.message
+    assert "drafter refuses to train: 3 of 3 shards are not usable" in message
+    assert "rows_0-20: missing or incomplete (no _SUCCESS.json)" in message
+    assert "rows_40-45: integrity check failed" in message
+
+    # rematerializing repairs the truncated file (one row recomputed) and the check passes again
+    assert run(defs, instance, ["hidden_states"], "rows_40-45").success
+    assert latest_metadata(instance, "hidden_states")["rows_computed"] == 1
