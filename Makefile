@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install demo test ui bench clean
+.PHONY: install ui-deps demo test ui bench clean
 
 $(BIN)/.installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
@@ -23,10 +23,14 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp dagster.yaml $@
 
+# Chromium and PostgreSQL (Debian packages) for the UI and PostgreSQL tests.
+ui-deps:
+	bash scripts/install_ui_deps.sh
+
 demo: install
 	$(BIN)/python -m eagle3_assets.demo_run
 
-test: install
+test: install ui-deps
 	$(BIN)/python -m pytest -x -q eagle3_assets_tests
 
 ui: install

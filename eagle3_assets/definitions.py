@@ -9,6 +9,8 @@ from dagster import AssetSelection, AutomationConditionSensorDefinition, Default
 from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.drafter import assets as drafter
+from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
+from eagle3_assets.defs.ops.sensors import run_failure_alert_sensor, shard_stall_sensor
 from eagle3_assets.defs.shards import assets as shards
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
@@ -40,8 +42,12 @@ def build_definitions(project: Project) -> Definitions:
                 default_status=DefaultSensorStatus.RUNNING,
                 minimum_interval_seconds=60,
                 description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule.",
-            )
+            ),
+            shard_stall_sensor,
+            run_failure_alert_sensor,
         ],
+        # Dagster's default executor unless $EAGLE3_K8S_EXECUTOR names a dagster-k8s config (docs/KUBERNETES.md).
+        executor=k8s_executor_from_environment(),
         resources={"project": project},
     )
 

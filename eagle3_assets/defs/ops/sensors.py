@@ -20,12 +20,12 @@ from dagster import (
     DagsterRunStatus,
     DefaultRunLauncher,
     DefaultSensorStatus,
+    ResourceParam,
     RunFailureSensorContext,
     RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
-    ResourceParam,
     run_failure_sensor,
     sensor,
 )
@@ -48,6 +48,7 @@ STALL_SINCE_TAG = "eagle3/stall_silent_since"  # the `silent_since` (epoch s) al
 UI_URL_ENV = "EAGLE3_UI_URL"  # optional: base URL of the UI, for links in alerts
 PARTITION_TAG = "dagster/partition"
 RUN_WORKER_STARTED = "Started process for run"  # Dagster's engine event, carries the worker's pid
+FAILED_FROM_OUTSIDE = "This run has been marked as failed from outside the execution context."
 # A worker reports its pid while the run is still STARTING (loading code): it can die there too.
 WATCHED = (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED)
 
@@ -166,7 +167,9 @@ def build_shard_stall_sensor(
         name=name,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Alerts on shard runs with no progress for alerts.stall_after_s, and fails runs whose process is gone.",
+        description=(
+            "Alerts on shard runs with no progress for alerts.stall_after_s, and fails runs whose process is gone."
+        ),
     )
     def shard_stall(context: SensorEvaluationContext, project: ResourceParam[Project]) -> SkipReason:
         pids = pids_are_local(context.instance) if check_pids is None else check_pids
@@ -186,13 +189,24 @@ shard_stall_sensor = build_shard_stall_sensor()
 
 
 def _failure_text(context: RunFailureSensorContext) -> str:
+    """The error of each failed step; for a run failed from outside (its process was killed),
+    Dagster's generic message plus the last engine event, which says what happened."""
     steps = context.get_step_failure_events()
     errors = [
         f"{e.step_key}: {e.step_failure_data.error.message.strip()}"
         for e in steps
         if e.step_failure_data is not None and e.step_failure_data.error is not None
     ]
-    return "; ".join(errors) or (context.failure_event.message or "")
+    if errors:
+        return "; ".join(errors)
+    message = context.failure_event.message or ""
+    if message.startswith(FAILED_FROM_OUTSIDE):
+        engine = context.instance.all_logs(context.dagster_run.run_id, of_type=DagsterEventType.ENGINE_EVENT)
+        said = [e.dagster_event.message for e in engine if e.dagster_event and e.dagster_event.message]
+        said = [m for m in said if not m.startswith(RUN_WORKER_STARTED)]
+        if said:
+            message = f"{message} {said[-1]}"
+    return message
 
 
 @run_failure_sensor(
