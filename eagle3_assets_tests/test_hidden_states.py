@@ -173,8 +173,6 @@ def test_open_extractor_follows_the_settings(model_dir: Path):
     with pytest.raises(ExtractorConfigError) as e:
         open_extractor(Settings(), model_dir, device="cpu")  # default [2, N//2, N-3] = [2, 2, 1] for 4 layers
     assert str(e.value) == "aux_layer_ids: default ids [2, 2, 1] collide for a 4-layer model; set them explicitly"
-    with pytest.raises(ExtractorConfigError, match=r"^extraction.backend: 'vllm' is not available yet; use 'hf'$"):
-        open_extractor(Settings(extraction=ExtractionSettings(backend="vllm")), model_dir)
 
 
 # -- the per-sample file ----------------------------------------------------------

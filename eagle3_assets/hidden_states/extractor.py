@@ -87,10 +87,11 @@ def open_extractor(settings: Settings, model_dir: str | Path, *, device: str = "
     """The backend `settings.extraction.backend` names, for the model in local `model_dir`.
 
     Aux ids come from `settings.aux_layer_ids` or the default [2, N//2, N-3], checked against the model.
+    The vLLM backend uses the server at `vllm.server_url`, or starts one that its `close()` stops.
     """
-    if settings.extraction.backend != "hf":
+    if settings.extraction.backend not in ("hf", "vllm"):
         raise ExtractorConfigError(
-            f"extraction.backend: {settings.extraction.backend!r} is not available yet; use 'hf'"
+            f"extraction.backend: {settings.extraction.backend!r} is not one of 'hf', 'vllm'"
         )
     shape = read_model_shape(str(model_dir))
     if shape is None:
@@ -99,6 +100,10 @@ def open_extractor(settings: Settings, model_dir: str | Path, *, device: str = "
         aux_layer_ids = settings.resolved_aux_layer_ids(shape[0])
     except SettingsError as e:
         raise ExtractorConfigError(str(e)) from None
+    if settings.extraction.backend == "vllm":
+        from eagle3_assets.hidden_states.vllm_extractor import VLLMExtractor
+
+        return VLLMExtractor(model_dir, settings.vllm, aux_layer_ids=aux_layer_ids)
     # transformers is imported only when a model is really loaded here
     from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 

@@ -1,0 +1,265 @@
+"""The vLLM backends' client side, without a vLLM server (fast): the `vllm serve` flags per role,
+splitting a server's file into our sample, waiting for a file still being written, errors that
+name the server, the port check, and the supervisor that stops an orphaned server.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from eagle3_assets.demo.tokenizer import train_tokenizer
+from eagle3_assets.generation import open_generator
+from eagle3_assets.hidden_states import open_extractor
+from eagle3_assets.hidden_states.vllm_extractor import (
+    VllmExtractionError,
+    read_hidden_states_file,
+    split_hidden_states,
+)
+from eagle3_assets.settings import ExtractionSettings, GenerationSettings, Settings, VllmSettings
+from eagle3_assets.vllm_server import (
+    RequestRejectedError,
+    ServerUnreachableError,
+    VllmServer,
+    VllmServerError,
+    extraction_layer_ids,
+    free_port,
+    group_members,
+    http_json,
+    serve_args,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the client side reads of a target: its config and its tokenizer (no weights needed)."""
+    path = tmp_path_factory.mktemp("client-target")
+    config = LlamaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=32)
+    config.save_pretrained(path)
+    train_tokenizer(["What does Kamivel eat? It eats plums."] * 20, 320).save_pretrained(path)
+    return path
+
+
+def test_serve_args_per_role():
+    vllm = VllmSettings(
+        tensor_parallel_size=8, dtype="bfloat16", max_model_len=32768, gpu_memory_utilization=0.92,
+        reasoning_parser="deepseek_r1", extra_args=["--trust-remote-code"],
+    )  # fmt: skip
+    common = [
+        "/models/kimi", "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "8", "--dtype", "bfloat16",
+        "--gpu-memory-utilization", "0.92", "--disable-uvicorn-access-log", "--max-model-len", "32768",
+    ]  # fmt: skip
+    gen = serve_args("/models/kimi", vllm, role="generate", host="0.0.0.0", port=8000)
+    assert gen == [*common, "--reasoning-parser", "deepseek_r1", "--trust-remote-code"]
+    ext = serve_args(
+        "/models/kimi", vllm, role="extract", host="0.0.0.0", port=8000,
+        layer_ids=[2, 30, 58, 61], storage_dir="/nvme/hs",
+    )  # fmt: skip
+    assert ext[: len(common)] == common and ext[-1] == "--trust-remote-code"
+    spec = json.loads(ext[ext.index("--speculative-config") + 1])
+    assert spec == {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}},
+    }
+    kv = json.loads(ext[ext.index("--kv-transfer-config") + 1])
+    assert kv == {
+        "kv_connector": "CpuSafeHiddenStatesConnector",
+        "kv_connector_module_path": "eagle3_assets.vllm_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/nvme/hs"},
+    }
+    assert "--reasoning-parser" not in ext  # extraction generates one token: no parser needed
+    both = serve_args("/m", vllm, role="both", host="h", port=1, layer_ids=[1, 2], storage_dir="/s")
+    assert "--reasoning-parser" in both and "--speculative-config" in both
+    with pytest.raises(ValueError, match="an extraction server needs its layer ids and a storage directory"):
+        serve_args("/m", vllm, role="extract", host="h", port=1)
+
+
+def test_extraction_layers_are_the_aux_ids_and_the_last_layer_sorted():
+    assert extraction_layer_ids([58, 2, 30], 61) == [2, 30, 58, 61]
+    assert extraction_layer_ids([1, 2, 3], 4) == [1, 2, 3, 4]
+
+
+def server_file(T: int, H: int, ids: list[int]) -> dict[str, torch.Tensor]:
+    # Layer l of token t holds 1000*l + t everywhere: every value says where it came from.
+    layer = torch.arange(4).view(1, 4, 1) * 1000.0
+    token = torch.arange(T).view(T, 1, 1).float()
+    return {"hidden_states": (layer + token).expand(T, 4, H).contiguous(), "token_ids": torch.tensor(ids)}
+
+
+def split(tensors, ids, **kw):
+    args = dict(row=7, input_ids=np.array(ids, dtype=np.int32), layer_ids=[1, 2, 3, 4], aux_layer_ids=(1, 2, 3),
+                num_layers=4, hidden_size=2, where="the vLLM server at http://h:1")  # fmt: skip
+    args.update(kw)
+    return split_hidden_states(tensors, **args)
+
+
+def test_a_server_file_splits_into_aux_and_last_states():
+    aux, last = split(server_file(3, 2, [5, 6, 7]), [5, 6, 7])
+    # aux = layers 1, 2, 3 side by side (file positions 0, 1, 2); last = layer 4 (position 3)
+    assert aux.tolist() == [
+        [0, 0, 1000, 1000, 2000, 2000],
+        [1, 1, 1001, 1001, 2001, 2001],
+        [2, 2, 1002, 1002, 2002, 2002],
+    ]
+    assert last.tolist() == [[3000, 3000], [3001, 3001], [3002, 3002]]
+
+
+def test_a_server_file_for_other_tokens_is_refused():
+    with pytest.raises(VllmExtractionError) as e:
+        split(server_file(3, 2, [5, 9, 7]), [5, 6, 7])
+    assert str(e.value) == (
+        "row 7: the vLLM server at http://h:1 ran other tokens than the row "
+        "(1 of 3 token ids differ, first at position 1)"
+    )
+    with pytest.raises(VllmExtractionError) as e:
+        split(server_file(2, 2, [5, 6]), [5, 6, 7])
+    assert str(e.value) == (
+        "row 7: the vLLM server at http://h:1 ran other tokens than the row (2 token ids for a row of 3)"
+    )
+    with pytest.raises(VllmExtractionError) as e:
+        split(server_file(3, 2, [5, 6, 7]), [5, 6, 7], hidden_size=4)
+    assert str(e.value) == (
+        "row 7: hidden_states from the vLLM server at http://h:1 has shape [3, 4, 2], expected [3, 4, 4] "
+        "(layers [1, 2, 3, 4], hidden 4)"
+    )
+    with pytest.raises(VllmExtractionError, match=r"holds \['hidden_states'\], expected hidden_states and token_ids"):
+        split({"hidden_states": torch.zeros(3, 4, 2)}, [5, 6, 7])
+
+
+def test_a_file_still_being_written_is_read_once_complete_then_removed(tmp_path: Path):
+    path = tmp_path / "req-1.safetensors"
+    lock = Path(f"{path}.lock")
+    # As the stock GPU connector does: the lock is held before the client gets the path.
+    fd = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def writer() -> None:
+        time.sleep(0.3)
+        save_file(server_file(3, 2, [5, 6, 7]), str(path))
+        os.close(fd)  # releases the lock
+
+    t = threading.Thread(target=writer)
+    t.start()
+    tensors = read_hidden_states_file(str(path))
+    t.join()
+    assert tensors["token_ids"].tolist() == [5, 6, 7] and tensors["hidden_states"].shape == (3, 4, 2)
+    assert sorted(os.listdir(tmp_path)) == []  # the server never deletes its files: the reader does
+
+
+def test_an_unreachable_server_url_is_named(model_dir: Path):
+    url = f"http://127.0.0.1:{free_port()}"
+    settings = Settings(
+        aux_layer_ids=[1, 2, 3], extraction=ExtractionSettings(backend="vllm"), vllm=VllmSettings(server_url=url)
+    )
+    expected = (
+        f"vllm.server_url: the vLLM server at {url} is not answering /health; start it "
+        "(python -m eagle3_assets.vllm_server --serve --role extract|generate) or unset vllm.server_url to let "
+        "each run start its own"
+    )
+    with pytest.raises(VllmServerError) as e:
+        open_extractor(settings, model_dir)
+    assert str(e.value) == expected
+    with pytest.raises(VllmServerError) as e:
+        open_generator(model_dir, GenerationSettings(backend="vllm"), settings.vllm)
+    assert str(e.value) == expected
+    with pytest.raises(ServerUnreachableError, match=rf"^{url}/v1/models: no answer \("):
+        http_json(f"{url}/v1/models", timeout=5)
+
+
+def test_a_busy_port_is_refused_before_anything_starts(model_dir: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(VllmServerError) as e:
+            VllmServer.start(model_dir, VllmSettings(port=port), "generate")
+    url = f"http://127.0.0.1:{port}"
+    assert str(e.value) == (
+        f"cannot start a vLLM server at {url}: the port is already in use (another server? set vllm.server_url "
+        f"to {url} to reuse it, or choose another vllm.port)"
+    )
+
+
+def test_an_http_error_keeps_the_servers_message():
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            body = json.dumps({"error": {"message": "Token id 999 is out of vocabulary", "code": 400}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{httpd.server_port}/v1/completions"
+    try:
+        with pytest.raises(RequestRejectedError) as e:
+            http_json(url, {"prompt": [999]}, timeout=5)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (e.value.status, e.value.message, str(e.value)) == (
+        400, "Token id 999 is out of vocabulary", f"{url}: HTTP 400: Token id 999 is out of vocabulary",
+    )  # fmt: skip
+
+
+def test_a_reused_server_is_never_stopped():
+    server = VllmServer("http://127.0.0.1:1/")
+    assert (server.url, server.owned, server.log_path, server.storage_dir) == ("http://127.0.0.1:1", False, None, None)
+    server.stop()  # nothing to do: not ours
+    with pytest.raises(VllmServerError) as e:
+        server.model_loads()
+    assert str(e.value) == "no log of the vLLM server at http://127.0.0.1:1: it was not started here"
+
+
+def test_the_supervisor_stops_the_server_when_its_starter_dies(tmp_path: Path):
+    """A run killed without closing its backend must not leave a server behind."""
+    starter = (
+        "import os, subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'eagle3_assets.vllm_server', '--supervise', str(os.getpid()),"
+        " '--', 'sleep', '300'], start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", starter], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    group = int(proc.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while len(group_members(group)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(group_members(group)) == 2  # supervisor + "server"
+        proc.send_signal(signal.SIGKILL)  # the run dies without stopping anything
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group_members(group) == []
+    finally:
+        proc.kill()
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
