@@ -15,8 +15,10 @@ from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import shard_partitions
 from eagle3_assets.hidden_states import ExtractorConfigError, ShardExtractionError, extract_shard
 from eagle3_assets.hidden_states.extractor import open_extractor
+from eagle3_assets.hidden_states.vllm_extractor import VllmExtractionError
 from eagle3_assets.project import Project
 from eagle3_assets.shards import Shard
+from eagle3_assets.vllm_server import VllmServerError
 from eagle3_assets.tokenized import TokenizedSet
 
 
@@ -54,8 +56,8 @@ def hidden_states(context: AssetExecutionContext, project: ResourceParam[Project
             model_name=project.model_name,
             on_progress=on_progress,
         )
-    except ShardExtractionError as e:
-        raise Failure(str(e)) from None
+    except (ShardExtractionError, VllmServerError, VllmExtractionError) as e:
+        raise Failure(f"shard {shard.key}: {e}" if shard.key not in str(e) else str(e)) from None
     finally:
         extractor.close()
     for note in result.notes:
