@@ -1,0 +1,108 @@
+"""The demo prompt sets: pipeline prompts about `train` entities, evaluation prompts about `heldout` ones.
+
+Issue 7: the prompts that evaluate the drafter ask about facts whose answers never
+appear in the drafter's training data. The pipeline prompts (answered later by the
+target itself, greedily, and so the drafter's training text) name only `train`
+entities; the evaluation prompts name only `heldout` entities. Both sets also hold
+template tasks, whose answers follow from the prompt text; `kind` tells them apart.
+
+Each prompt is `{"id": str, "prompt": str, "kind": "fact" | "template"}`. The target's
+ideal response to a prompt, with the character spans of its fact text, comes from
+`reference_response(demo, id)` (see `world.Conversation` for the span convention).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from functools import lru_cache
+
+from eagle3_assets.demo.world import (
+    ATTRIBUTE_NAMES,
+    PAIR_QUESTIONS,
+    Conversation,
+    Entity,
+    demo_world,
+    pair_fact_conversation,
+    random_template_conversation,
+    single_fact_conversation,
+)
+from eagle3_assets.settings import DemoSettings
+
+PIPELINE_FACT_SHARE = 0.6  # share of fact prompts in the pipeline set
+EVAL_PROMPTS = 64
+EVAL_FACT_SHARE = 0.75  # the rest of the eval set are template prompts, for contrast
+PAIR_SHARE = 0.2  # share of two-entity questions among fact prompts
+_NEW_PROMPT_TRIES = 50  # draws to find a prompt not used yet before accepting a repeat
+
+
+def demo_prompt_sets(demo: DemoSettings) -> tuple[list[dict], list[dict]]:
+    """(pipeline prompts, held-out eval prompts) as {"id", "prompt", "kind"} dicts."""
+    pipeline, evaluation = _conversations(demo.seed, demo.num_prompts)
+    return _as_prompts(pipeline), _as_prompts(evaluation)
+
+
+def demo_references(demo: DemoSettings) -> dict[str, Conversation]:
+    """Prompt id -> the target's ideal response (reasoning, content, fact spans), both sets."""
+    pipeline, evaluation = _conversations(demo.seed, demo.num_prompts)
+    return dict(pipeline) | dict(evaluation)
+
+
+def reference_response(demo: DemoSettings, prompt_id: str) -> Conversation:
+    """The ideal response to one demo prompt; KeyError naming the id when it is not a demo prompt."""
+    refs = demo_references(demo)
+    if prompt_id not in refs:
+        raise KeyError(f"{prompt_id!r} is not a demo prompt id for seed {demo.seed} and {demo.num_prompts} prompts")
+    return refs[prompt_id]
+
+
+def _as_prompts(rows: list[tuple[str, Conversation]]) -> list[dict]:
+    return [{"id": pid, "prompt": c.prompt, "kind": c.kind} for pid, c in rows]
+
+
+@lru_cache(maxsize=4)
+def _conversations(seed: int, num_prompts: int) -> tuple[list[tuple[str, Conversation]], list[tuple[str, Conversation]]]:
+    world = demo_world(seed)
+    rng = random.Random(f"demo-prompts-{seed}")
+    used: set[str] = set()
+    n_fact = round(num_prompts * PIPELINE_FACT_SHARE)
+    pipeline = _fact_rows(world.train, n_fact, rng, used) + _template_rows(num_prompts - n_fact, rng, used)
+    rng.shuffle(pipeline)  # shards get a mix of kinds
+    n_eval_fact = round(EVAL_PROMPTS * EVAL_FACT_SHARE)
+    evaluation = _fact_rows(world.heldout, n_eval_fact, rng, used) + _template_rows(EVAL_PROMPTS - n_eval_fact, rng, used)
+    rng.shuffle(evaluation)
+    width = len(str(max(num_prompts, EVAL_PROMPTS) - 1))
+    return (
+        [(f"demo-{i:0{width}d}", c) for i, c in enumerate(pipeline)],
+        [(f"eval-{i:0{width}d}", c) for i, c in enumerate(evaluation)],
+    )
+
+
+def _fact_rows(entities: list[Entity], n: int, rng: random.Random, used: set[str]) -> list[Conversation]:
+    """n fact questions about `entities` only: every single question once before any repeats, some pairs."""
+    n_pair = round(n * PAIR_SHARE) if len(entities) >= 2 else 0
+    singles = [(e, a) for e in entities for a in ATTRIBUTE_NAMES]
+    rng.shuffle(singles)
+    rows = [single_fact_conversation(e, a) for e, a in (singles * (1 + (n - n_pair) // len(singles)))[: n - n_pair]]
+    used.update(c.prompt for c in rows)
+
+    def pair() -> Conversation:
+        a, b = rng.sample(entities, 2)
+        return pair_fact_conversation(a, b, rng.choice(PAIR_QUESTIONS))
+
+    rows += [_draw_new(pair, used) for _ in range(n_pair)]
+    return rows
+
+
+def _template_rows(n: int, rng: random.Random, used: set[str]) -> list[Conversation]:
+    return [_draw_new(lambda: random_template_conversation(rng), used) for _ in range(n)]
+
+
+def _draw_new(draw: Callable[[], Conversation], used: set[str]) -> Conversation:
+    """A conversation whose prompt is not in `used` if one turns up in a few draws, else a repeat."""
+    for _ in range(_NEW_PROMPT_TRIES):
+        c = draw()
+        if c.prompt not in used:
+            break
+    used.add(c.prompt)
+    return c

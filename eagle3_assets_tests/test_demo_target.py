@@ -1,0 +1,352 @@
+"""The embedded demo target: its world, tokenizer, prompt sets and model build."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle3_assets.demo.prompts import EVAL_PROMPTS, demo_prompt_sets, demo_references, reference_response
+from eagle3_assets.demo.target import (
+    BUILD_INFO_FILE,
+    build_demo_target,
+    read_build_info,
+    tokenizer_corpus,
+)
+from eagle3_assets.demo.tokenizer import (
+    CHAT_TEMPLATE,
+    TOKEN_IDS,
+    fact_token_flags,
+    render_prompt,
+    render_turn,
+    train_tokenizer,
+)
+from eagle3_assets.demo.world import (
+    ATTRIBUTE_NAMES,
+    Entity,
+    build_world,
+    demo_world,
+    pair_fact_conversation,
+    single_fact_conversation,
+    template_conversation,
+)
+from eagle3_assets.settings import DemoSettings
+
+
+def demo_settings(**overrides) -> DemoSettings:
+    # model_construct: settings.py bounds train_steps at >= 1, and the untrained build needs 0.
+    return DemoSettings.model_construct(**(DemoSettings().model_dump() | overrides))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(tokenizer_corpus(demo_world(0), 0), 1024)
+
+
+# -- world ------------------------------------------------------------------
+
+
+def test_world_is_a_pure_function_of_the_seed():
+    w = demo_world(0)
+    assert w == demo_world(0)
+    assert w.entities[0] == Entity(
+        name="Mirenor",
+        attributes={"color": "white", "city": "Ilmar", "food": "fish", "pet": "cat", "tool": "hammer", "number": "33"},
+        split="train",
+    )
+    assert [e.name for e in w.heldout[:3]] == ["Tholobo", "Mikodi", "Quipabo"]
+    other = demo_world(1)
+    assert other.entities[0].name == "Gaquibo"
+    assert [e.name for e in other.entities] != [e.name for e in w.entities]
+
+
+def test_entities_are_split_disjointly_with_distinct_names():
+    w = demo_world(0)
+    train, heldout = {e.name for e in w.train}, {e.name for e in w.heldout}
+    assert (len(train), len(heldout)) == (200, 50)
+    assert not train & heldout
+    assert len(train | heldout) == len(w.entities) == 250
+    assert all(list(e.attributes) == list(ATTRIBUTE_NAMES) for e in w.entities)
+
+
+def test_build_world_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="num_entities: need at least 2"):
+        build_world(0, num_entities=1)
+    with pytest.raises(ValueError, match="heldout_fraction: must be strictly between 0 and 1, got 1.0"):
+        build_world(0, heldout_fraction=1.0)
+
+
+def test_single_fact_conversation_marks_first_mentions_of_facts():
+    c = single_fact_conversation(demo_world(0).entities[0], "food")
+    assert c.prompt == "What does Mirenor eat?"
+    assert c.assistant_text == "<think>white Ilmar fish cat hammer 33</think>It eats fish."
+    assert c.fact_spans == ((7, 12), (13, 18), (19, 23), (24, 27), (28, 34), (35, 37))
+    assert c.fact_texts() == ["white", "Ilmar", "fish", "cat", "hammer", "33"]  # the repeat in the answer is not marked
+
+
+def test_pair_question_answer_follows_from_the_two_profiles():
+    a, b = demo_world(0).entities[:2]  # both live in Ilmar; numbers 33 and 26
+    same = pair_fact_conversation(a, b, "same_city")
+    assert same.prompt == "Do Mirenor and Bothojo live in the same city?"
+    assert same.reasoning == "Mirenor: white Ilmar fish cat hammer 33. Bothojo: orange Ilmar apples hen needle 26."
+    assert same.content == "Yes."
+    assert same.fact_texts() == ["white", "Ilmar", "fish", "cat", "hammer", "33", "orange", "Ilmar", "apples", "hen", "needle", "26"]
+    assert pair_fact_conversation(b, a, "larger_number").content == "Mirenor."
+    with pytest.raises(ValueError, match="two different entities, got Mirenor twice"):
+        pair_fact_conversation(a, a, "same_city")
+
+
+def test_template_answers_are_derivable_from_the_prompt():
+    rng = random.Random(0)
+    count = template_conversation("count", rng)
+    assert (count.prompt, count.assistant_text) == (
+        "How many words are in: shoe kiwi book boat",
+        "<think>shoe kiwi book boat</think>4",
+    )
+    add = template_conversation("add", random.Random(3))
+    x, y = (int(t) for t in add.prompt.removeprefix("What is ").removesuffix("?").split(" + "))
+    assert add.content == str(x + y) and add.fact_spans == ()
+    rev = template_conversation("reverse", random.Random(1))
+    assert rev.content.split() == rev.prompt.removeprefix("Reverse these words: ").split()[::-1]
+    with pytest.raises(ValueError, match="unknown template task 'sort'"):
+        template_conversation("sort", rng)
+
+
+# -- prompt sets ------------------------------------------------------------
+
+
+def test_prompt_sets_are_deterministic_and_sized():
+    demo = DemoSettings()
+    pipeline, evaluation = demo_prompt_sets(demo)
+    assert len(pipeline) == demo.num_prompts == 1000 and len(evaluation) == EVAL_PROMPTS == 64
+    assert pipeline[0] == {"id": "demo-000", "prompt": "What is the number of Belkoyen?", "kind": "fact"}
+    assert evaluation[0] == {"id": "eval-000", "prompt": "Who has the larger number, Gajoga or Sushapim?", "kind": "fact"}
+    assert [p["kind"] for p in pipeline].count("fact") == 600
+    assert [p["kind"] for p in evaluation].count("fact") == 48
+    ids = [p["id"] for p in pipeline + evaluation]
+    assert len(set(ids)) == len(ids)
+    assert len({p["prompt"] for p in pipeline + evaluation}) == 1064  # no prompt asked twice
+    other = demo_prompt_sets(DemoSettings(seed=1))[0]
+    assert [p["prompt"] for p in other] != [p["prompt"] for p in pipeline]
+
+
+def test_eval_prompts_name_only_heldout_entities_and_pipeline_only_train():
+    world = demo_world(0)
+    pipeline, evaluation = demo_prompt_sets(DemoSettings())
+    refs = demo_references(DemoSettings())
+
+    def named(prompt: str) -> set[str]:
+        return {e.split for e in world.entities if e.name in prompt}
+
+    assert all(named(p["prompt"]) == {"heldout"} for p in evaluation if p["kind"] == "fact")
+    assert all(named(p["prompt"]) == {"train"} for p in pipeline if p["kind"] == "fact")
+    assert all(not named(p["prompt"]) for p in pipeline + evaluation if p["kind"] == "template")
+    heldout_values = {(e.name, tuple(e.profile())) for e in world.heldout}
+    for p in evaluation:
+        ref = refs[p["id"]]
+        assert ref.prompt == p["prompt"]
+        for name in ref.entities:  # the facts in the reference are exactly those of the named entities
+            assert (name, tuple(world.entity(name).profile())) in heldout_values
+
+
+def test_reference_response_by_id():
+    ref = reference_response(DemoSettings(), "demo-001")
+    assert ref.prompt == "Where does Yenloyen live?"
+    assert ref.assistant_text == "<think>orange Jorvik nuts rat wrench 41</think>It lives in Jorvik."
+    with pytest.raises(KeyError, match="'demo-9999' is not a demo prompt id for seed 0 and 1000 prompts"):
+        reference_response(DemoSettings(), "demo-9999")
+
+
+def test_more_prompts_than_questions_repeats_rather_than_failing():
+    pipeline, _ = demo_prompt_sets(DemoSettings(num_prompts=3000))  # 1,800 fact rows > 1,200 single questions
+    assert len(pipeline) == 3000 and pipeline[-1]["id"] == "demo-2999"
+
+
+def test_fact_tokens_are_at_least_40_percent_of_fact_row_answers(tok):
+    refs = demo_references(DemoSettings())
+    fact = total = 0
+    for ref in refs.values():
+        if ref.kind == "fact":
+            flags = fact_token_flags(tok, ref.assistant_text, ref.fact_spans)
+            fact += sum(flags)
+            total += len(flags) + 1  # + <|end|>
+    assert fact / total >= 0.40, f"fact tokens are {fact / total:.1%} of assistant tokens on fact rows"
+
+
+# -- tokenizer --------------------------------------------------------------
+
+
+def test_control_tokens_are_single_tokens_with_fixed_ids(tok):
+    assert TOKEN_IDS == {
+        "<|pad|>": 0, "<|begin|>": 1, "<|end|>": 2, "<|user|>": 3, "<|assistant|>": 4, "<think>": 5, "</think>": 6,
+    }  # fmt: skip
+    for text, i in TOKEN_IDS.items():
+        assert tok.encode(text, add_special_tokens=False) == [i]
+        assert tok.convert_ids_to_tokens(i) == text
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
+    assert len(tok) == 1024  # learned merges, then <|reserved_k|> fill
+    assert tok.convert_ids_to_tokens(1023).startswith("<|reserved_")
+    assert 1 not in tok("What is 2 + 3?")["input_ids"]  # no BOS added outside the template
+
+
+def test_think_tags_survive_skipping_special_tokens(tok):
+    ids = tok.encode(render_turn("Hi", "2 + 3 = 5", "5"), add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == "Hi<think>2 + 3 = 5</think>5"
+
+
+def test_entity_names_split_into_several_tokens(tok):
+    lengths = [len(tok.encode(" " + e.name, add_special_tokens=False)) for e in demo_world(0).entities]
+    assert min(lengths) == 2 and max(lengths) == 4
+    assert tok.convert_ids_to_tokens(tok.encode(" Mirenor", add_special_tokens=False)) == ["ĠMi", "ren", "or"]
+
+
+TWO_TURNS = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5", "reasoning_content": "2 + 3 = 5"},
+    {"role": "user", "content": "What does Mirenor eat?"},
+    {"role": "assistant", "content": "It eats fish.", "reasoning_content": "white Ilmar fish cat hammer 33"},
+]
+
+
+def test_chat_template_renders_a_two_turn_conversation_exactly(tok):
+    assert tok.apply_chat_template(TWO_TURNS, tokenize=False) == (
+        "<|begin|><|user|>What is 2 + 3?<|end|><|assistant|><think>2 + 3 = 5</think>5<|end|>"
+        "<|user|>What does Mirenor eat?<|end|><|assistant|><think>white Ilmar fish cat hammer 33</think>It eats fish.<|end|>"
+    )
+    assert tok.apply_chat_template(TWO_TURNS[:1], tokenize=False, add_generation_prompt=True) == render_prompt(
+        "What is 2 + 3?"
+    )
+    assert tok.apply_chat_template(TWO_TURNS[:2], tokenize=False) == render_turn("What is 2 + 3?", "2 + 3 = 5", "5")
+    # vLLM returns reasoning as `reasoning`; an assistant turn without any renders an empty <think></think>.
+    vllm_style = [TWO_TURNS[0], {"role": "assistant", "content": "5", "reasoning": "2 + 3 = 5"}]
+    assert tok.apply_chat_template(vllm_style, tokenize=False) == render_turn("What is 2 + 3?", "2 + 3 = 5", "5")
+    bare = [TWO_TURNS[0], {"role": "assistant", "content": "5"}]
+    assert tok.apply_chat_template(bare, tokenize=False).endswith("<|assistant|><think></think>5<|end|>")
+
+
+def test_generation_prompt_is_a_prefix_of_the_answered_conversation(tok):
+    for i, message in enumerate(TWO_TURNS):
+        if message["role"] != "assistant":
+            continue
+        asked = tok.apply_chat_template(TWO_TURNS[:i], tokenize=False, add_generation_prompt=True)
+        answered = tok.apply_chat_template(TWO_TURNS[: i + 1], tokenize=False)
+        assert answered.startswith(asked)
+        asked_ids = tok.encode(asked, add_special_tokens=False)
+        assert tok.encode(answered, add_special_tokens=False)[: len(asked_ids)] == asked_ids
+
+
+def test_system_messages_are_refused_by_name(tok):
+    with pytest.raises(Exception, match="knows only user and assistant messages, got role system"):
+        tok.apply_chat_template([{"role": "system", "content": "Be brief."}, TWO_TURNS[0]], tokenize=False)
+
+
+def test_fact_token_flags_mark_tokens_overlapping_spans(tok):
+    c = single_fact_conversation(demo_world(0).entities[0], "food")
+    tokens = tok.convert_ids_to_tokens(tok.encode(c.assistant_text, add_special_tokens=False))
+    flags = fact_token_flags(tok, c.assistant_text, c.fact_spans)
+    assert [t for t, f in zip(tokens, flags) if f] == ["white", "ĠIlmar", "Ġfish", "Ġcat", "Ġhammer", "Ġ33"]
+    assert [t for t, f in zip(tokens, flags) if not f] == ["<think>", "</think>", "It", "Ġeats", "Ġfish", "."]
+
+
+def test_tokenizer_training_is_deterministic(tok):
+    again = train_tokenizer(tokenizer_corpus(demo_world(0), 0), 1024)
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+
+
+def test_tokenizer_rejects_a_vocab_too_small_for_bytes():
+    with pytest.raises(ValueError, match="vocab_size: 200 cannot hold the 7 control tokens and the 256 byte tokens"):
+        train_tokenizer(["hello"], 200)
+
+
+# -- target build -----------------------------------------------------------
+
+
+def test_untrained_build_writes_a_loadable_model_dir(tmp_path: Path):
+    out = tmp_path / "target"
+    logs: list[str] = []
+    info = build_demo_target(out, demo_settings(train_steps=0), log=logs.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temporaries left beside it
+    assert (info.path, info.vocab_size, info.num_layers, info.hidden_size, info.head_dim) == (str(out), 1024, 4, 128, 32)
+    assert info.train_loss is None and info.fact_accuracy_train == 0.0
+    assert read_build_info(out) == info
+    assert any("tokenizer trained, 1024 ids" in line for line in logs)
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads) == (4, 128, 32, 4)
+    assert cfg.tie_word_embeddings is False and cfg.max_position_embeddings >= 1024
+    assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1024, 1, 2, 0)
+    assert next(model.parameters()).dtype == torch.float32
+    assert (model.generation_config.do_sample, model.generation_config.eos_token_id) == (False, 2)
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded.apply_chat_template(TWO_TURNS[:2], tokenize=False) == render_turn("What is 2 + 3?", "2 + 3 = 5", "5")
+    assert loaded.encode("<think></think>", add_special_tokens=False) == [5, 6]
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
+    assert json.loads((out / BUILD_INFO_FILE).read_text())["train_steps"] == 0
+    # The template lives with the saved tokenizer, wherever transformers puts it.
+    assert CHAT_TEMPLATE in "".join(p.read_text() for p in out.iterdir() if p.suffix in (".json", ".jinja"))
+
+
+def test_rebuild_replaces_the_dir_with_identical_files(tmp_path: Path):
+    out = tmp_path / "target"
+    build_demo_target(out, demo_settings(train_steps=0), log=lambda _: None)
+    first = load_file(out / "model.safetensors")
+    tokenizer_json = (out / "tokenizer.json").read_text()
+    (out / "stale.txt").write_text("from an older build")
+    build_demo_target(out, demo_settings(train_steps=0), log=lambda _: None)
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    second = load_file(out / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert (out / "tokenizer.json").read_text() == tokenizer_json
+
+
+def test_a_build_failing_midway_leaves_nothing(tmp_path: Path):
+    out = tmp_path / "target"
+
+    def fail_when_saving(line: str) -> None:
+        if "saving to" in line:
+            raise RuntimeError("disk gone")
+
+    with pytest.raises(RuntimeError, match="disk gone"):
+        build_demo_target(out, demo_settings(train_steps=0), log=fail_when_saving)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_build_failing_midway_keeps_the_previous_target(tmp_path: Path):
+    out = tmp_path / "target"
+    build_demo_target(out, demo_settings(train_steps=0), log=lambda _: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fail_when_saving(line: str) -> None:
+        if "saving to" in line:
+            raise RuntimeError("disk gone")
+
+    with pytest.raises(RuntimeError, match="disk gone"):
+        build_demo_target(out, demo_settings(train_steps=0, seed=1), log=fail_when_saving)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+def test_invalid_settings_are_named_and_leave_nothing(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"demo.hidden_size: 100 is not a multiple of demo.head_dim \(32\)"):
+        build_demo_target(tmp_path / "target", demo_settings(train_steps=0, hidden_size=100), log=lambda _: None)
+    with pytest.raises(ValueError, match="demo.train_steps: must be >= 0, got -1"):
+        build_demo_target(tmp_path / "target", demo_settings(train_steps=-1), log=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_brief_training_recalls_facts_far_above_an_untrained_model(tmp_path: Path):
+    untrained = build_demo_target(tmp_path / "untrained", demo_settings(train_steps=0), log=lambda _: None)
+    trained = build_demo_target(tmp_path / "trained", demo_settings(train_steps=400), log=lambda _: None)
+    # Measured: untrained 0.002 of attribute values; 400 steps about 0.9 (and the loss well under 1).
+    assert untrained.fact_value_accuracy < 0.05
+    assert trained.fact_value_accuracy > 0.5
+    assert trained.train_loss < 1.0
+    assert trained.fact_value_accuracy > 10 * max(untrained.fact_value_accuracy, 0.01)
