@@ -193,8 +193,9 @@ def demo_settings() -> Settings:
         # One row per forward: on CPU, padded batches cost more than they save
         # (benchmarks/bench_extraction.py); on a GPU keep the default budget.
         extraction=ExtractionSettings(batch_tokens=1, progress_interval_s=2.0),
+        # The demo's 1,000 rows hold only ~25k tokens: many small steps over many epochs.
         training=TrainingSettings(
-            lr=3e-3, warmup_steps=20, epochs=4.0, batch_tokens=4096, checkpoint_every=50, heldout_rows=64
+            lr=3e-3, warmup_steps=20, epochs=60.0, batch_tokens=2048, checkpoint_every=100, heldout_rows=64
         ),
         demo=demo,
     )
