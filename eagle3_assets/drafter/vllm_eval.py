@@ -4,7 +4,8 @@
 calling script needs an `if __name__ == "__main__":` guard (DESIGN §6).
 `generate_in_subprocess(...)` runs the same in a fresh interpreter
 (`python -m eagle3_assets.drafter.vllm_eval request.json result.json`), which is what a
-Dagster asset or a test should call.
+Dagster asset or a test should call; `generate_runs_in_subprocess(...)` runs several
+settings there one after another, paying for vLLM's import once (~14 s on CPU).
 
 Acceptance (vLLM's spec-decode counters): mean acceptance length = 1 + accepted /
 drafts (tokens produced per target forward), and per position i the share of drafts
@@ -16,6 +17,7 @@ sees no target features at all, the baseline that shows what the features buy.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -25,6 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -79,6 +82,19 @@ def zero_fc_copy(export_dir: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def _counter_delta(after: dict[str, object], before: dict[str, object]) -> dict[str, object]:
+    """`after - before` per counter: counters live in a process-wide registry, so an earlier
+    engine in the same process may have left counts behind."""
+    out: dict[str, object] = {}
+    for key, value in after.items():
+        prev = before.get(key)
+        if isinstance(value, list):
+            out[key] = [a - b for a, b in zip(value, prev or [0] * len(value))]  # type: ignore[arg-type]
+        else:
+            out[key] = value - (prev or 0)  # type: ignore[operator]
+    return out
+
+
 def _spec_counters(metrics: list) -> dict[str, object]:
     """vLLM's spec-decode counters by short name, summed over engines/labels."""
     out: dict[str, object] = {}
@@ -125,9 +141,17 @@ def generate(
             disable_log_stats=False,
             seed=0,
         )
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params, use_tqdm=False)
-        counters = _spec_counters(llm.get_metrics())
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            before = _spec_counters(llm.get_metrics())
+            token_prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
+            outs = llm.generate(token_prompts, params, use_tqdm=False)
+            counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
+        finally:
+            # Stop the engine's worker process now, so the next engine in this process gets the CPU and memory.
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
     return GenerationResult(
         outputs=[list(o.outputs[0].token_ids) for o in outs],
         num_drafts=int(counters.get("num_drafts", 0)),  # type: ignore[arg-type]
@@ -146,12 +170,25 @@ def generate_in_subprocess(
     **kwargs,
 ) -> GenerationResult:
     """`generate(...)` in a fresh interpreter; raises RuntimeError with the tail of its output on failure."""
+    return generate_runs_in_subprocess(target_dir, prompts, [kwargs], timeout_s=timeout_s, env=env)[0]
+
+
+def generate_runs_in_subprocess(
+    target_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    runs: Sequence[dict[str, Any]],
+    *,
+    common: dict[str, Any] | None = None,
+    timeout_s: float = 1800,
+    env: dict[str, str] | None = None,
+) -> list[GenerationResult]:
+    """One `generate(target_dir, prompts, **common, **run)` per run, in order, all in one fresh interpreter."""
     with tempfile.TemporaryDirectory(prefix="drafter-vllm-") as tmp:
         request = Path(tmp) / "request.json"
         result = Path(tmp) / "result.json"
-        kwargs = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()}
+        runs = [{k: str(v) if isinstance(v, Path) else v for k, v in {**(common or {}), **run}.items()} for run in runs]
         token_prompts = [list(map(int, p)) for p in prompts]
-        request.write_text(json.dumps({"target_dir": str(target_dir), "prompts": token_prompts, **kwargs}))
+        request.write_text(json.dumps({"target_dir": str(target_dir), "prompts": token_prompts, "runs": runs}))
         run_env = {**os.environ, **(env or {})}
         # A small KV cache: these machines are shared, and eval prompts are short.
         run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -162,14 +199,14 @@ def generate_in_subprocess(
         if proc.returncode != 0 or not result.exists():
             tail = (proc.stdout + proc.stderr)[-4000:]
             raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{tail}")
-        return GenerationResult.from_json(json.loads(result.read_text()))
+        return [GenerationResult.from_json(r) for r in json.loads(result.read_text())]
 
 
 def main(argv: Sequence[str]) -> int:
     request_path, result_path = argv
     req = json.loads(Path(request_path).read_text())
-    result = generate(req.pop("target_dir"), req.pop("prompts"), **req)
-    Path(result_path).write_text(json.dumps(result.to_json()))
+    results = [generate(req["target_dir"], req["prompts"], **run).to_json() for run in req["runs"]]
+    Path(result_path).write_text(json.dumps(results))
     return 0
 
 
