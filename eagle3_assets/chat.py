@@ -76,3 +76,12 @@ def render_with_loss_mask(tokenizer: PreTrainedTokenizerBase, messages: Sequence
         if start >= span[0]:
             mask[t] = 1
     return RenderedRow(ids, mask)
+
+
+def span_token_flags(
+    tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequence[tuple[int, int]]
+) -> tuple[list[int], list[bool]]:
+    """`text`'s token ids and, per token, whether it overlaps one of the [start, end) character spans."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    flags = [any(a < end and start < b for start, end in spans) for a, b in enc["offset_mapping"]]
+    return list(enc["input_ids"]), flags

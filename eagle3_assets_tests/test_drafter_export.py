@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
+from safetensors.torch import save_file
 
-from eagle3_assets.drafter.export import ExportError, export_drafter, expected_export_tensors
+from eagle3_assets.drafter.export import ExportError, export_drafter, expected_export_tensors, load_export
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.storage import ArtifactStore
 
@@ -120,3 +121,22 @@ def test_full_vocab_drafter_leaves_out_d2t_and_memory_store_works():
     tensors = st_load(store.read_bytes("drafter/export/model.safetensors"))
     assert "d2t" not in tensors and tensors["lm_head.weight"].dtype == torch.float32
     assert store.read_json("drafter/export/config.json")["draft_vocab_size"] == 256
+
+
+def test_load_export_gives_back_the_exported_drafter_and_refuses_a_broken_one(tmp_path):
+    model = make_model()
+    store = ArtifactStore(tmp_path)
+    export_drafter(store, model.trainable_state_dict(), CFG, aux_layer_ids=[1, 2, 3])
+    loaded, aux_ids = load_export(tmp_path / "drafter/export", model.embed_tokens.weight)
+    assert aux_ids == [1, 2, 3] and loaded.config == CFG
+    for name, tensor in model.trainable_state_dict().items():
+        want = tensor if name in ("d2t", "t2d") else tensor.bfloat16().float()
+        assert torch.equal(loaded.state_dict()[name], want), name
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+
+    path = tmp_path / "drafter/export/model.safetensors"
+    tensors = st_load(path.read_bytes())
+    del tensors["norm.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ExportError, match=r"not a loadable drafter export:\n  missing tensor norm.weight \[64\]"):
+        load_export(tmp_path / "drafter/export", model.embed_tokens.weight)

@@ -12,7 +12,7 @@ One rendered conversation (the model generates everything after `<|assistant|>`)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -116,17 +116,3 @@ def check_tokenizer(tok: PreTrainedTokenizerBase) -> None:
     kept = tok.decode([TOKEN_IDS[THINK_OPEN], TOKEN_IDS[THINK_CLOSE]], skip_special_tokens=True)
     if kept != THINK_OPEN + THINK_CLOSE:
         raise ValueError(f"tokenizer: <think>/</think> must survive skip_special_tokens, decoded to {kept!r}")
-
-
-def fact_token_flags(tok: PreTrainedTokenizerBase, text: str, spans: Sequence[tuple[int, int]]) -> list[bool]:
-    """For each token of `text`, whether it overlaps one of the [start, end) character spans.
-
-    `text` is an assistant text (`<think>…</think>answer`); encoded alone it gives the
-    same tokens as inside a rendered conversation, because `<|assistant|>` before it
-    and `<|end|>` after it are added tokens that BPE never merges across.
-    """
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    flags = []
-    for a, b in enc["offset_mapping"]:
-        flags.append(any(a < end and start < b for start, end in spans))
-    return flags

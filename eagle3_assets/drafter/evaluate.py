@@ -1,10 +1,13 @@
 """Serve the exported drafter with its target in vLLM and measure what it buys.
 
-On held-out prompts (never trained on) the target decodes greedily four ways: alone,
+On held-out prompts (never trained on) the target decodes greedily five ways: alone,
 and with the drafter at 3 and 7 speculative tokens, each with the fused target
 features as trained and with them zeroed (`fc.weight` = 0). Speculative output must
 equal plain greedy output; mean acceptance length with features over without is the
 "feature gain": the share of the drafter's skill that comes from reading the target.
+The plain greedy answers are then scored by the training objective, acc_k per token
+class (`token_accuracy`): fact tokens, which only the target's state can predict,
+against template tokens, which the text predicts.
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_in_subprocess
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from eagle3_assets.drafter.export import EXPORT_DIR, load_export
+from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
+from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
+from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+from eagle3_assets.hidden_states.extractor import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.project import Project
-from eagle3_assets.prompts import EVAL_PROMPTS_FILE, parse_prompts
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.target_model import load_tokenizer
 
 DRAFTER_METRICS_FILE = "drafter/metrics.json"
@@ -38,6 +48,8 @@ class EvalReport:
     acceptance_zeroed: dict[str, float] = field(default_factory=dict)  # features zeroed
     per_position: dict[str, list[float]] = field(default_factory=dict)
     heldout_training_metrics: dict[str, float] = field(default_factory=dict)
+    token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
+    off_reference: list[str] = field(default_factory=list)  # prompt ids answered unlike their reference
     mismatches: list[dict] = field(default_factory=list)
 
     @property
@@ -56,19 +68,28 @@ class EvalReport:
             meta[f"feature_gain_k{k}"] = round(self.feature_gain(k), 4)
             meta[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in self.per_position[f"k{k}"]]
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
+        for c, acc in self.token_accuracy.items():
+            if not acc.predictions[0]:
+                continue  # no token of this class in the eval set (plain prompts carry no kind or reference)
+            meta[f"eval_acc_0_{c}"] = round(acc.acc[0], 4)
+            meta[f"eval_acc_k_{c}"] = [round(a, 4) for a in acc.acc]
+            meta[f"eval_tokens_{c}"] = acc.predictions[0]
+        meta["eval_rows_off_reference"] = len(self.off_reference)
         meta["outputs_match_greedy"] = self.outputs_match
         return meta
 
 
-def eval_prompt_ids(project: Project, target_dir: Path) -> list[list[int]]:
+def load_eval_prompts(project: Project) -> list[Prompt]:
     store = project.store
     if not store.exists(EVAL_PROMPTS_FILE):
         raise EvaluationError(
             f"no held-out prompts at {store.url_of(EVAL_PROMPTS_FILE)}: set `eval_prompts` in the settings "
             "(prompts never used in training) and rematerialize `prompts`"
         )
-    prompts = parse_prompts(store.read_text(EVAL_PROMPTS_FILE), store.url_of(EVAL_PROMPTS_FILE))
-    tok = load_tokenizer(target_dir)
+    return parse_prompts(store.read_text(EVAL_PROMPTS_FILE), store.url_of(EVAL_PROMPTS_FILE))
+
+
+def generation_prompt_ids(prompts: list[Prompt], tok: PreTrainedTokenizerBase) -> list[list[int]]:
     return [
         tok(tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
             "input_ids"
@@ -77,10 +98,40 @@ def eval_prompt_ids(project: Project, target_dir: Path) -> list[list[int]]:
     ]
 
 
+def token_class_accuracy(
+    project: Project,
+    export_dir: Path,
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    answers: list[list[int]],
+) -> tuple[dict[str, ClassAccuracy], list[str]]:
+    """acc_k per token class of the exported drafter on the target's answers, and the
+    prompts answered unlike their reference (see `token_accuracy`)."""
+    target_dir = project.target_dir()
+    rows, off_reference = label_rows(prompts, prompt_ids, answers, load_tokenizer(target_dir))
+    target = load_target_weights(target_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, aux_layer_ids = load_export(export_dir, target.embed_tokens)
+    # The export's aux layers, not the settings': the features an engine will feed it.
+    extractor = open_extractor(project.settings.model_copy(update={"aux_layer_ids": aux_layer_ids}), target_dir)
+    try:
+        requests = [ExtractionRequest(i, np.asarray(r.input_ids, dtype=np.int32)) for i, r in enumerate(rows)]
+        samples = extract_in_order(extractor, requests)
+        pre_norm = extractor.last_hidden_state_norm == "pre_norm"
+    finally:
+        extractor.close()
+    accuracy = class_accuracy(
+        model.to(device), TargetHead.from_weights(target).to(device), rows, samples,
+        pre_norm=pre_norm, num_steps=project.settings.training.ttt_steps,
+    )  # fmt: skip
+    return accuracy, off_reference
+
+
 def evaluate_drafter(project: Project, *, max_tokens: int | None = None, log: Callable[[str], None] = print) -> EvalReport:
     store = project.store
     target_dir = project.target_dir()
-    prompt_ids = eval_prompt_ids(project, target_dir)
+    prompts = load_eval_prompts(project)
+    prompt_ids = generation_prompt_ids(prompts, load_tokenizer(target_dir))
     max_tokens = max_tokens or project.settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
     report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens)
@@ -92,27 +143,38 @@ def evaluate_drafter(project: Project, *, max_tokens: int | None = None, log: Ca
         else:
             export_dir = store_export
 
-        def run(**kwargs) -> GenerationResult:
-            return generate_in_subprocess(
-                target_dir, prompt_ids, max_tokens=max_tokens, max_model_len=max_model_len, ignore_eos=False, **kwargs
-            )
-
-        log(f"drafter_eval: plain greedy decoding of {len(prompt_ids)} held-out prompts in vLLM")
-        plain = run()
-        for k in SPECULATIVE_TOKENS:
-            for zeroed in (False, True):
-                label = f"k={k}" + (" features zeroed" if zeroed else "")
-                spec = run(draft_dir=export_dir, num_speculative_tokens=k, zero_fc=zeroed)
-                log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
-                target = report.acceptance_zeroed if zeroed else report.acceptance
-                target[f"k{k}"] = spec.mean_acceptance_length
-                if not zeroed:
-                    report.per_position[f"k{k}"] = spec.acceptance_per_position
-                for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
-                    if a != b:
-                        report.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
+        settings = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
+        log(
+            f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM, plain and with the drafter "
+            f"at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, then zeroed)"
+        )
+        plain, *speculative = generate_runs_in_subprocess(
+            target_dir,
+            prompt_ids,
+            [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in settings],
+            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False},
+        )
+        for (k, zeroed), spec in zip(settings, speculative, strict=True):
+            label = f"k={k}" + (" features zeroed" if zeroed else "")
+            log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
+            (report.acceptance_zeroed if zeroed else report.acceptance)[f"k{k}"] = spec.mean_acceptance_length
+            if not zeroed:
+                report.per_position[f"k{k}"] = spec.acceptance_per_position
+            for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
+                if a != b:
+                    report.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
+        log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
+        report.token_accuracy, report.off_reference = token_class_accuracy(
+            project, export_dir, prompts, prompt_ids, plain.outputs
+        )
+        for c, acc in report.token_accuracy.items():
+            if acc.predictions[0]:
+                log(f"drafter_eval: {c} tokens ({acc.predictions[0]}): acc_0 {acc.acc[0]:.3f}")
     if store.exists(DRAFTER_METRICS_FILE):
         metrics = store.read_json(DRAFTER_METRICS_FILE)
         report.heldout_training_metrics = {k.removeprefix("heldout_"): v for k, v in metrics.items() if k.startswith("heldout_acc")}
-    store.write_json(EVAL_REPORT_FILE, {**report.as_metadata(), "mismatches": report.mismatches})
+    store.write_json(
+        EVAL_REPORT_FILE,
+        {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches},
+    )
     return report

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from eagle3_assets.drafter.checkpoint import read_checkpoint_state, read_model_tensors
-from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.storage import ArtifactStore
 
 EXPORT_DIR = "drafter/export"
@@ -179,3 +179,31 @@ def export_from_checkpoint(
         max_position_embeddings=max_position_embeddings,
         rel=rel,
     )
+
+
+def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Drafter, list[int]]:
+    """(drafter with float32 weights, its aux layer ids) from an export, as an engine would
+    see it; `embed_tokens` is the target's embedding (any dtype), which exports leave out."""
+    export_dir = Path(export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    cfg = DrafterConfig(
+        hidden_size=config["hidden_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        max_position_embeddings=config["max_position_embeddings"],
+    )
+    tensors = load_file(str(export_dir / "model.safetensors"))
+    problems = export_problems(tensors, cfg)
+    if problems:
+        raise ExportError(f"{export_dir} is not a loadable drafter export:\n  " + "\n  ".join(problems))
+    tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+    model = Eagle3Drafter(cfg, tensors["d2t"], tensors["t2d"], embed_tokens=embed_tokens)
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    model.load_state_dict(weights, strict=False)  # everything but the embedding, checked above
+    return model.eval(), [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
