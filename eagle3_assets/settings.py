@@ -101,7 +101,7 @@ class AlertSettings(_Section):
 class DemoSettings(_Section):
     """The embedded demo target and prompt set (used when no target/prompts are configured)."""
 
-    num_prompts: int = Field(1000, ge=1)
+    num_prompts: int = Field(2000, ge=1)
     hidden_size: int = Field(128, ge=32)
     num_layers: int = Field(4, ge=4)
     head_dim: int = Field(32, ge=32, description="vLLM cannot serve head_dim < 32")
@@ -182,10 +182,10 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def demo_settings() -> Settings:
-    """The embedded demo: a 4-layer target, 1,000 prompts in 200-row shards."""
+    """The embedded demo: a 4-layer target, 2,000 prompts in 400-row shards."""
     demo = DemoSettings()
     return Settings(
-        shard_size=200,
+        shard_size=400,
         aux_layer_ids=[1, 2, 3],
         draft_vocab_size=512,
         max_seq_len=512,
@@ -193,9 +193,10 @@ def demo_settings() -> Settings:
         # One row per forward: on CPU, padded batches cost more than they save
         # (benchmarks/bench_extraction.py); on a GPU keep the default budget.
         extraction=ExtractionSettings(batch_tokens=1, progress_interval_s=2.0),
-        # The demo's 1,000 rows hold only ~25k tokens: many small steps over many epochs.
+        # The demo's 2,000 rows hold only ~60k tokens: many small steps over many epochs
+        # (625 steps; 1,000 rows for 900 steps drafted worse, BENCHMARKS.md).
         training=TrainingSettings(
-            lr=3e-3, warmup_steps=20, epochs=60.0, batch_tokens=2048, checkpoint_every=100, heldout_rows=64
+            lr=3e-3, warmup_steps=20, epochs=20.0, batch_tokens=2048, checkpoint_every=100, heldout_rows=64
         ),
         demo=demo,
     )

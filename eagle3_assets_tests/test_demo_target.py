@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eagle3_assets.chat import span_token_flags
 from eagle3_assets.demo.prompts import EVAL_PROMPTS, demo_prompt_sets, demo_references, reference_response
 from eagle3_assets.demo.target import (
     BUILD_INFO_FILE,
@@ -21,7 +22,6 @@ from eagle3_assets.demo.target import (
 from eagle3_assets.demo.tokenizer import (
     CHAT_TEMPLATE,
     TOKEN_IDS,
-    fact_token_flags,
     render_prompt,
     render_turn,
     train_tokenizer,
@@ -123,14 +123,24 @@ def test_template_answers_are_derivable_from_the_prompt():
 def test_prompt_sets_are_deterministic_and_sized():
     demo = DemoSettings()
     pipeline, evaluation = demo_prompt_sets(demo)
-    assert len(pipeline) == demo.num_prompts == 1000 and len(evaluation) == EVAL_PROMPTS == 64
-    assert pipeline[0] == {"id": "demo-000", "prompt": "What is the number of Belkoyen?", "kind": "fact"}
-    assert evaluation[0] == {"id": "eval-000", "prompt": "Who has the larger number, Gajoga or Sushapim?", "kind": "fact"}
-    assert [p["kind"] for p in pipeline].count("fact") == 600
+    assert len(pipeline) == demo.num_prompts == 2000 and len(evaluation) == EVAL_PROMPTS == 64
+    assert pipeline[0] == {"id": "demo-0000", "prompt": "What tool does Reshare use?", "kind": "fact"}
+    reference = "<think>purple Harrow soup rat hammer 22</think>It is purple."
+    assert evaluation[0] == {
+        "id": "eval-00",
+        "prompt": "What color is Xuquilin?",
+        "kind": "fact",
+        "reference": reference,  # drafter_eval scores the fact spans of the answer apart
+        "fact_spans": [[7, 13], [14, 20], [21, 25], [26, 29], [30, 36], [37, 39]],
+    }
+    assert [reference[a:b] for a, b in evaluation[0]["fact_spans"]] == "purple Harrow soup rat hammer 22".split()
+    assert [p["kind"] for p in pipeline].count("fact") == 1200
     assert [p["kind"] for p in evaluation].count("fact") == 48
     ids = [p["id"] for p in pipeline + evaluation]
     assert len(set(ids)) == len(ids)
-    assert len({p["prompt"] for p in pipeline + evaluation}) == 1064  # no prompt asked twice
+    assert len({p["prompt"] for p in pipeline + evaluation}) == 2064  # no prompt asked twice
+    # The evaluation set does not depend on how many pipeline prompts there are.
+    assert demo_prompt_sets(DemoSettings(num_prompts=45))[1] == evaluation
     other = demo_prompt_sets(DemoSettings(seed=1))[0]
     assert [p["prompt"] for p in other] != [p["prompt"] for p in pipeline]
 
@@ -155,10 +165,10 @@ def test_eval_prompts_name_only_heldout_entities_and_pipeline_only_train():
 
 
 def test_reference_response_by_id():
-    ref = reference_response(DemoSettings(), "demo-001")
-    assert ref.prompt == "Where does Yenloyen live?"
-    assert ref.assistant_text == "<think>orange Jorvik nuts rat wrench 41</think>It lives in Jorvik."
-    with pytest.raises(KeyError, match="'demo-9999' is not a demo prompt id for seed 0 and 1000 prompts"):
+    ref = reference_response(DemoSettings(), "demo-0001")
+    assert ref.prompt == "Where does Padaryen live?"
+    assert ref.assistant_text == "<think>yellow Fenwick beans goat ladder 57</think>It lives in Fenwick."
+    with pytest.raises(KeyError, match="'demo-9999' is not a demo prompt id for seed 0 and 2000 prompts"):
         reference_response(DemoSettings(), "demo-9999")
 
 
@@ -172,7 +182,7 @@ def test_fact_tokens_are_at_least_40_percent_of_fact_row_answers(tok):
     fact = total = 0
     for ref in refs.values():
         if ref.kind == "fact":
-            flags = fact_token_flags(tok, ref.assistant_text, ref.fact_spans)
+            _, flags = span_token_flags(tok, ref.assistant_text, ref.fact_spans)
             fact += sum(flags)
             total += len(flags) + 1  # + <|end|>
     assert fact / total >= 0.40, f"fact tokens are {fact / total:.1%} of assistant tokens on fact rows"
@@ -245,10 +255,10 @@ def test_system_messages_are_refused_by_name(tok):
         tok.apply_chat_template([{"role": "system", "content": "Be brief."}, TWO_TURNS[0]], tokenize=False)
 
 
-def test_fact_token_flags_mark_tokens_overlapping_spans(tok):
+def test_span_token_flags_mark_tokens_overlapping_spans(tok):
     c = single_fact_conversation(demo_world(0).entities[0], "food")
     tokens = tok.convert_ids_to_tokens(tok.encode(c.assistant_text, add_special_tokens=False))
-    flags = fact_token_flags(tok, c.assistant_text, c.fact_spans)
+    _, flags = span_token_flags(tok, c.assistant_text, c.fact_spans)
     assert [t for t, f in zip(tokens, flags) if f] == ["white", "ĠIlmar", "Ġfish", "Ġcat", "Ġhammer", "Ġ33"]
     assert [t for t, f in zip(tokens, flags) if not f] == ["<think>", "</think>", "It", "Ġeats", "Ġfish", "."]
 

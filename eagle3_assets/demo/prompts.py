@@ -8,7 +8,9 @@ template tasks, whose answers follow from the prompt text; `kind` tells them apa
 
 Each prompt is `{"id": str, "prompt": str, "kind": "fact" | "template"}`. The target's
 ideal response to a prompt, with the character spans of its fact text, comes from
-`reference_response(demo, id)` (see `world.Conversation` for the span convention).
+`reference_response(demo, id)` (see `world.Conversation` for the span convention);
+evaluation prompts also carry it, as `reference` (the assistant text) and
+`fact_spans`, which `drafter_eval` uses to score fact tokens apart from template ones.
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ _NEW_PROMPT_TRIES = 50  # draws to find a prompt not used yet before accepting a
 
 
 def demo_prompt_sets(demo: DemoSettings) -> tuple[list[dict], list[dict]]:
-    """(pipeline prompts, held-out eval prompts) as {"id", "prompt", "kind"} dicts."""
+    """(pipeline prompts as {"id", "prompt", "kind"}, held-out eval prompts with "reference" and "fact_spans" too)."""
     pipeline, evaluation = _conversations(demo.seed, demo.num_prompts)
-    return _as_prompts(pipeline), _as_prompts(evaluation)
+    evaluation_prompts = [
+        p | {"reference": c.assistant_text, "fact_spans": [list(s) for s in c.fact_spans]}
+        for p, (_, c) in zip(_as_prompts(evaluation), evaluation, strict=True)
+    ]
+    return _as_prompts(pipeline), evaluation_prompts
 
 
 def demo_references(demo: DemoSettings) -> dict[str, Conversation]:
@@ -63,18 +69,20 @@ def _as_prompts(rows: list[tuple[str, Conversation]]) -> list[dict]:
 @lru_cache(maxsize=4)
 def _conversations(seed: int, num_prompts: int) -> tuple[list[tuple[str, Conversation]], list[tuple[str, Conversation]]]:
     world = demo_world(seed)
-    rng = random.Random(f"demo-prompts-{seed}")
     used: set[str] = set()
-    n_fact = round(num_prompts * PIPELINE_FACT_SHARE)
-    pipeline = _fact_rows(world.train, n_fact, rng, used) + _template_rows(num_prompts - n_fact, rng, used)
-    rng.shuffle(pipeline)  # shards get a mix of kinds
+    # The evaluation set first, from its own random stream: it stays the same whatever
+    # num_prompts is, and the pipeline prompts are then drawn around it.
+    rng = random.Random(f"demo-eval-prompts-{seed}")
     n_eval_fact = round(EVAL_PROMPTS * EVAL_FACT_SHARE)
     evaluation = _fact_rows(world.heldout, n_eval_fact, rng, used) + _template_rows(EVAL_PROMPTS - n_eval_fact, rng, used)
     rng.shuffle(evaluation)
-    width = len(str(max(num_prompts, EVAL_PROMPTS) - 1))
+    rng = random.Random(f"demo-prompts-{seed}")
+    n_fact = round(num_prompts * PIPELINE_FACT_SHARE)
+    pipeline = _fact_rows(world.train, n_fact, rng, used) + _template_rows(num_prompts - n_fact, rng, used)
+    rng.shuffle(pipeline)  # shards get a mix of kinds
     return (
-        [(f"demo-{i:0{width}d}", c) for i, c in enumerate(pipeline)],
-        [(f"eval-{i:0{width}d}", c) for i, c in enumerate(evaluation)],
+        [(f"demo-{i:0{len(str(num_prompts - 1))}d}", c) for i, c in enumerate(pipeline)],
+        [(f"eval-{i:0{len(str(EVAL_PROMPTS - 1))}d}", c) for i, c in enumerate(evaluation)],
     )
 
 
