@@ -50,6 +50,18 @@ def run_selection(
     return result.success
 
 
+def run_graph(defs: Definitions, instance: DagsterInstance) -> bool:
+    """Data assets, then one run per shard, then the drafter and its evaluation; False at the first failure."""
+    if not run_selection(defs, instance, UNPARTITIONED):
+        return False
+    shard_keys = sorted(instance.get_dynamic_partitions(shard_partitions.name), key=Shard.parse)
+    failed = [k for k in shard_keys if not run_selection(defs, instance, ["hidden_states"], k)]
+    if failed:
+        print(f"[demo] shards failed: {failed}; rerun `make demo` to resume them", file=sys.stderr)
+        return False
+    return run_selection(defs, instance, AFTER_SHARDS)
+
+
 def main() -> int:
     if not os.environ.get("DAGSTER_HOME"):
         print("DAGSTER_HOME is not set: completed work would be forgotten. Run `make demo`.", file=sys.stderr)
@@ -61,14 +73,7 @@ def main() -> int:
     if abandoned:
         print(f"[demo] marked {abandoned} run(s) of a killed demo as failed", flush=True)
     started = time.monotonic()
-    if not run_selection(defs, instance, UNPARTITIONED):
-        return 1
-    shard_keys = sorted(instance.get_dynamic_partitions(shard_partitions.name), key=Shard.parse)
-    failed = [k for k in shard_keys if not run_selection(defs, instance, ["hidden_states"], k)]
-    if failed:
-        print(f"[demo] shards failed: {failed}; rerun `make demo` to resume them", file=sys.stderr)
-        return 1
-    if not run_selection(defs, instance, AFTER_SHARDS):
+    if not run_graph(defs, instance):
         return 1
     print(f"[demo] graph complete in {time.monotonic() - started:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")
     return 0

@@ -1,0 +1,167 @@
+"""The drafter's quality bars on the demo, built exactly as `make demo` builds it (issues 4 and 7).
+
+One module fixture runs the whole graph with the demo settings through Dagster: the
+demo target trained in-process, 1,000 responses, five shards, 900 drafter steps, and
+`drafter_eval` in vLLM (CPU build). About 12 minutes on two CPU cores; the figures in
+the assertions' comments were measured that way (BENCHMARKS.md).
+
+The off-by-one test then trains a second drafter with the same settings on shards
+whose aux features come from the classic bug, HF `hidden_states[i + 1]` (the OUTPUT of
+layer i) stored as "input of layer i", and scores both where an engine would feed them
+the correct layers.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from dagster import AssetKey
+from dagster._core.test_utils import instance_for_test
+from safetensors.numpy import load as st_load
+
+from eagle3_assets.definitions import build_definitions
+from eagle3_assets.demo_run import run_graph
+from eagle3_assets.drafter.evaluate import (
+    EVAL_REPORT_FILE,
+    generation_prompt_ids,
+    load_eval_prompts,
+    token_class_accuracy,
+)
+from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.target_head import load_target_weights
+from eagle3_assets.drafter.train import build_drafter, train_drafter
+from eagle3_assets.drafter.vllm_eval import generate_in_subprocess, generate_runs_in_subprocess
+from eagle3_assets.hidden_states import extract_shard
+from eagle3_assets.hidden_states.hf_extractor import HFExtractor
+from eagle3_assets.project import DEMO_MODEL_DIR, Project
+from eagle3_assets.settings import demo_settings
+from eagle3_assets.shards import plan_shards
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target_model import load_tokenizer
+from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet
+from eagle3_assets.vocab_map import VOCAB_MAP_FILE
+
+
+class OffByOneExtractor(HFExtractor):
+    """Deliberately wrong: stores HF `hidden_states[i + 1]` under aux id i."""
+
+    def _forward(self, rows):
+        correct = self.aux_layer_ids
+        self.aux_layer_ids = tuple(i + 1 for i in correct)
+        try:
+            return super()._forward(rows)
+        finally:
+            self.aux_layer_ids = correct
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    project = Project(demo_settings(), ArtifactStore(tmp_path_factory.mktemp("demo-quality") / "store"))
+    with instance_for_test() as instance:
+        assert run_graph(build_definitions(project), instance)
+        yield project, instance
+
+
+@pytest.fixture(scope="module")
+def answers(demo):
+    """The eval prompts, their generation prompt ids and the target's greedy answers (from vLLM)."""
+    project, _ = demo
+    prompts = load_eval_prompts(project)
+    prompt_ids = generation_prompt_ids(prompts, load_tokenizer(project.target_dir()))
+    plain = generate_in_subprocess(project.target_dir(), prompt_ids, max_tokens=160, max_model_len=512, ignore_eos=False)
+    return prompts, prompt_ids, plain.outputs
+
+
+def side_store(demo, name: str, tmp_path_factory) -> Project:
+    """A store with the demo's target, tokenized rows and vocab map, for a second drafter."""
+    project, _ = demo
+    root = tmp_path_factory.mktemp(name) / "store"
+    shutil.copytree(project.store.local_path(DEMO_MODEL_DIR), root / DEMO_MODEL_DIR)
+    for rel in (TOKENIZED_FILE, VOCAB_MAP_FILE):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(project.store.local_path(rel), root / rel)
+    return Project(project.settings, ArtifactStore(root))
+
+
+def test_served_drafter_meets_the_acceptance_bar_and_reads_the_target(demo):
+    project, _ = demo
+    report = project.store.read_json(EVAL_REPORT_FILE)
+    # Measured: k=3 2.03, k=7 2.31; features zeroed 1.30 / 1.32 -> feature gain 1.56 / 1.75.
+    assert report["outputs_match_greedy"] and report["mismatches"] == []
+    assert report["mean_acceptance_length_k3"] >= 2.0
+    assert report["mean_acceptance_length_k7"] >= report["mean_acceptance_length_k3"]
+    assert report["feature_gain_k3"] >= 1.2
+    assert report["feature_gain_k7"] >= 1.2
+
+
+def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, answers, tmp_path_factory):
+    project, _ = demo
+    report = project.store.read_json(EVAL_REPORT_FILE)
+    untrained = side_store(demo, "untrained", tmp_path_factory)
+    vmap = st_load(untrained.store.read_bytes(VOCAB_MAP_FILE))
+    target = load_target_weights(untrained.target_dir())
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(vmap["d2t"]))
+    model = build_drafter(cfg, target, vmap["d2t"], vmap["t2d"], project.settings.training.seed)
+    export_drafter(untrained.store, model.trainable_state_dict(), cfg, aux_layer_ids=[1, 2, 3])
+    accuracy, _ = token_class_accuracy(untrained, untrained.store.local_path(EXPORT_DIR), *answers)
+    # Measured: trained 0.64 on every answer token of the held-out prompts (0.85 on the rows
+    # held out of training); untrained 0.0x.
+    assert report["eval_acc_0_all"] >= accuracy["all"].acc[0] + 0.4, (report["eval_acc_0_all"], accuracy["all"].acc)
+    assert report["heldout_acc_0"] >= 0.75
+
+
+def test_fact_and_template_tokens_are_scored_apart(demo):
+    project, instance = demo
+    report = project.store.read_json(EVAL_REPORT_FILE)
+    event = instance.get_latest_materialization_event(AssetKey("drafter_eval"))
+    shown = {k: v.value for k, v in event.asset_materialization.metadata.items()}  # what the UI lists
+    for key in ("eval_acc_0_fact", "eval_acc_0_template", "feature_gain_k3", "feature_gain_k7"):
+        assert shown[key] == report[key], key
+    # 48 fact prompts about held-out entities, 6 fact values each; two-entity questions the
+    # target gets wrong are left out of `fact` (they are in `off_reference`).
+    assert report["eval_rows_off_reference"] == len(report["off_reference"]) <= 12
+    assert report["eval_tokens_fact"] >= 6 * (48 - 12)
+    assert report["eval_tokens_template"] > 100
+    # Measured: template 0.93, fact 0.25: facts of unseen entities are the hard part.
+    assert report["eval_acc_0_template"] > report["eval_acc_0_fact"] > 0
+
+
+def test_drafter_trained_on_off_by_one_features_scores_lower_on_fact_prompts(demo, answers, tmp_path_factory):
+    project, _ = demo
+    shifted = side_store(demo, "off-by-one", tmp_path_factory)
+    settings = project.settings
+    tokenized = TokenizedSet.load(shifted.store)
+    extractor = OffByOneExtractor(shifted.target_dir(), aux_layer_ids=[1, 2, 3], batch_tokens=1)
+    shards = plan_shards(tokenized.num_rows, settings.shard_size)
+    for shard in shards:
+        extract_shard(shifted.store, tokenized, shard, extractor, settings.extraction, model_name="demo")
+    vmap = st_load(shifted.store.read_bytes(VOCAB_MAP_FILE))
+    result = train_drafter(
+        shifted.store, [s.key for s in shards], d2t=vmap["d2t"], t2d=vmap["t2d"], target_dir=shifted.target_dir(),
+        settings=settings.training, log=lambda _: None,
+    )  # fmt: skip
+    export_drafter(shifted.store, result.model.trainable_state_dict(), result.config, aux_layer_ids=[1, 2, 3])
+    shifted_export = shifted.store.local_path(EXPORT_DIR)
+
+    accuracy, _ = token_class_accuracy(shifted, shifted_export, *answers)
+    correct = project.store.read_json(EVAL_REPORT_FILE)
+    # Measured (acc_0, correct vs off by one): fact-prompt answers 0.58 vs 0.49, their fact
+    # tokens 0.25 vs 0.20, template answers 0.95 vs 0.71.
+    assert accuracy["fact_prompt"].acc[0] <= correct["eval_acc_0_fact_prompt"] - 0.05
+    assert accuracy["fact"].acc[0] < correct["eval_acc_0_fact"]
+
+    prompts, prompt_ids, _ = answers
+    fact_prompt_ids = [ids for p, ids in zip(prompts, prompt_ids) if p.extra["kind"] == "fact"]
+
+    right, wrong = (
+        r.mean_acceptance_length
+        for r in generate_runs_in_subprocess(
+            project.target_dir(), fact_prompt_ids,
+            [{"draft_dir": project.store.local_path(EXPORT_DIR)}, {"draft_dir": shifted_export}],
+            common={"num_speculative_tokens": 3, "max_tokens": 160, "max_model_len": 512, "ignore_eos": False},
+        )
+    )  # fmt: skip
+    # Measured, served in vLLM at k=3 on the 48 fact prompts: 1.89 correct vs 1.73 off by one.
+    assert wrong <= right - 0.08, (right, wrong)
