@@ -1,9 +1,9 @@
 """The drafter's quality bars on the demo, built exactly as `make demo` builds it (issues 4 and 7).
 
 One module fixture runs the whole graph with the demo settings through Dagster: the
-demo target trained in-process, 1,000 responses, five shards, 900 drafter steps, and
-`drafter_eval` in vLLM (CPU build). About 12 minutes on two CPU cores; the figures in
-the assertions' comments were measured that way (BENCHMARKS.md).
+demo target trained in-process, 2,000 responses, five shards, 622 drafter steps, and
+`drafter_eval` in vLLM (CPU build). About 11 minutes on two CPU cores; the figures in
+the assertions' comments are from `make demo` (BENCHMARKS.md).
 
 The off-by-one test then trains a second drafter with the same settings on shards
 whose aux features come from the classic bug, HF `hidden_states[i + 1]` (the OUTPUT of
@@ -88,7 +88,7 @@ def side_store(demo, name: str, tmp_path_factory) -> Project:
 def test_served_drafter_meets_the_acceptance_bar_and_reads_the_target(demo):
     project, _ = demo
     report = project.store.read_json(EVAL_REPORT_FILE)
-    # Measured: k=3 2.03, k=7 2.31; features zeroed 1.30 / 1.32 -> feature gain 1.56 / 1.75.
+    # Measured: k=3 2.075, k=7 2.433; features zeroed 1.399 / 1.424 -> feature gain 1.48 / 1.71.
     assert report["outputs_match_greedy"] and report["mismatches"] == []
     assert report["mean_acceptance_length_k3"] >= 2.0
     assert report["mean_acceptance_length_k7"] >= report["mean_acceptance_length_k3"]
@@ -106,8 +106,8 @@ def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, an
     model = build_drafter(cfg, target, vmap["d2t"], vmap["t2d"], project.settings.training.seed)
     export_drafter(untrained.store, model.trainable_state_dict(), cfg, aux_layer_ids=[1, 2, 3])
     accuracy, _ = token_class_accuracy(untrained, untrained.store.local_path(EXPORT_DIR), *answers)
-    # Measured: trained 0.64 on every answer token of the held-out prompts (0.85 on the rows
-    # held out of training); untrained 0.0x.
+    # Measured: trained 0.673 on every answer token of the held-out prompts (0.846 on the
+    # rows held out of training); untrained 0.001.
     assert report["eval_acc_0_all"] >= accuracy["all"].acc[0] + 0.4, (report["eval_acc_0_all"], accuracy["all"].acc)
     assert report["heldout_acc_0"] >= 0.75
 
@@ -119,12 +119,11 @@ def test_fact_and_template_tokens_are_scored_apart(demo):
     shown = {k: v.value for k, v in event.asset_materialization.metadata.items()}  # what the UI lists
     for key in ("eval_acc_0_fact", "eval_acc_0_template", "feature_gain_k3", "feature_gain_k7"):
         assert shown[key] == report[key], key
-    # 48 fact prompts about held-out entities, 6 fact values each; two-entity questions the
-    # target gets wrong are left out of `fact` (they are in `off_reference`).
-    assert report["eval_rows_off_reference"] == len(report["off_reference"]) <= 12
-    assert report["eval_tokens_fact"] >= 6 * (48 - 12)
-    assert report["eval_tokens_template"] > 100
-    # Measured: template 0.93, fact 0.25: facts of unseen entities are the hard part.
+    # 48 fact prompts about held-out entities; the two-entity questions the target gets wrong
+    # (10 measured) are left out of `fact` and listed in `off_reference`.
+    assert report["eval_rows_off_reference"] == len(report["off_reference"]) <= 16
+    assert report["eval_tokens_fact"] >= 150 and report["eval_tokens_template"] >= 100  # measured 225, 148
+    # Measured: template 0.939, fact 0.324: facts of unseen entities are the hard part.
     assert report["eval_acc_0_template"] > report["eval_acc_0_fact"] > 0
 
 
@@ -145,12 +144,16 @@ def test_drafter_trained_on_off_by_one_features_scores_lower_on_fact_prompts(dem
     export_drafter(shifted.store, result.model.trainable_state_dict(), result.config, aux_layer_ids=[1, 2, 3])
     shifted_export = shifted.store.local_path(EXPORT_DIR)
 
-    accuracy, _ = token_class_accuracy(shifted, shifted_export, *answers)
     correct = project.store.read_json(EVAL_REPORT_FILE)
-    # Measured (acc_0, correct vs off by one): fact-prompt answers 0.58 vs 0.49, their fact
-    # tokens 0.25 vs 0.20, template answers 0.95 vs 0.71.
-    assert accuracy["fact_prompt"].acc[0] <= correct["eval_acc_0_fact_prompt"] - 0.05
-    assert accuracy["fact"].acc[0] < correct["eval_acc_0_fact"]
+    # Training metrics cannot tell: on its own (wrong) features the off-by-one drafter's
+    # held-out acc_0 is as good as the correct one's (measured 0.868 vs 0.846).
+    assert result.heldout["acc_0"] >= correct["heldout_acc_0"] - 0.05
+
+    accuracy, _ = token_class_accuracy(shifted, shifted_export, *answers)
+    # Fed the layers an engine feeds (measured acc_0, correct vs off by one): fact-prompt
+    # answers 0.623 vs 0.442, their fact tokens 0.324 vs 0.169, template answers 0.939 vs 0.649.
+    assert accuracy["fact_prompt"].acc[0] <= correct["eval_acc_0_fact_prompt"] - 0.09
+    assert accuracy["fact"].acc[0] <= correct["eval_acc_0_fact"] - 0.07
 
     prompts, prompt_ids, _ = answers
     fact_prompt_ids = [ids for p, ids in zip(prompts, prompt_ids) if p.extra["kind"] == "fact"]
@@ -163,5 +166,5 @@ def test_drafter_trained_on_off_by_one_features_scores_lower_on_fact_prompts(dem
             common={"num_speculative_tokens": 3, "max_tokens": 160, "max_model_len": 512, "ignore_eos": False},
         )
     )  # fmt: skip
-    # Measured, served in vLLM at k=3 on the 48 fact prompts: 1.89 correct vs 1.73 off by one.
-    assert wrong <= right - 0.08, (right, wrong)
+    # Measured, served in vLLM at k=3 on the 48 fact prompts: 1.939 correct vs 1.632 off by one.
+    assert wrong <= right - 0.15, (right, wrong)
