@@ -108,27 +108,29 @@ def class_accuracy(
         for row, sample in chunk:
             if not np.array_equal(np.asarray(sample.input_ids), np.asarray(row.input_ids)):
                 raise ValueError(f"features of row {sample.row} were extracted for other tokens than the row's")
+        batch = collate(
+            [
+                (
+                    {
+                        "input_ids": torch.as_tensor(row.input_ids),
+                        "loss_mask": torch.zeros(len(row.input_ids), dtype=torch.uint8),  # set per class below
+                        "aux_hidden_states": sample.aux_hidden_states,
+                        "last_hidden_state": sample.last_hidden_state,
+                    },
+                    pre_norm,
+                )
+                for row, sample in chunk
+            ],
+            refs=[],
+        ).to(device)
+        targets = head.targets(batch.last, batch.pre_norm, model.t2d)
         for c in TOKEN_CLASSES:
-            batch = collate(
-                [
-                    (
-                        {
-                            "input_ids": torch.as_tensor(row.input_ids),
-                            "loss_mask": torch.as_tensor(row.classes[c], dtype=torch.uint8),
-                            "aux_hidden_states": sample.aux_hidden_states,
-                            "last_hidden_state": sample.last_hidden_state,
-                        },
-                        pre_norm,
-                    )
-                    for row, sample in chunk
-                ],
-                refs=[],
-            ).to(device)
-            targets = head.targets(batch.last, batch.pre_norm, model.t2d)
+            mask = torch.zeros_like(batch.loss_mask)  # [B, T]
+            for i, (row, _) in enumerate(chunk):
+                mask[i, : len(row.input_ids)] = torch.as_tensor(row.classes[c], dtype=torch.uint8)
             out = ttt_forward(
-                model, batch.input_ids, batch.aux, batch.loss_mask, batch.lengths, targets,
-                num_steps=num_steps, step_weight=1.0,
-            )  # fmt: skip
+                model, batch.input_ids, batch.aux, mask, batch.lengths, targets, num_steps=num_steps, step_weight=1.0
+            )
             correct[c] += out.correct.cpu()
             kept[c] += out.kept.cpu()
     return {
