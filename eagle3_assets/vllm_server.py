@@ -514,6 +514,10 @@ def supervise(parent_pid: int, cmd: list[str], poll_s: float = 1.0) -> int:
     the group reaches `cmd` directly; one sent to us alone is passed on. Either way we
     wait for `cmd` to finish.
     """
+    # An ignored signal stays ignored across exec: started by a process that ignores SIGTERM
+    # (a test runner, a job launcher), the server would be deaf to every stop but SIGKILL.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
     child = subprocess.Popen(cmd)
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda *_: child.send_signal(signal.SIGTERM))

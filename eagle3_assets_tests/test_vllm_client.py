@@ -236,9 +236,11 @@ def test_a_reused_server_is_never_stopped():
 
 
 def test_the_supervisor_stops_the_server_when_its_starter_dies(tmp_path: Path):
-    """A run killed without closing its backend must not leave a server behind."""
+    """A run killed without closing its backend must not leave a server behind, even when
+    the run ignores SIGTERM (inherited through exec, it once made the server deaf to it)."""
     starter = (
-        "import os, subprocess, sys, time\n"
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "p = subprocess.Popen([sys.executable, '-m', 'eagle3_assets.vllm_server', '--supervise', str(os.getpid()),"
         " '--', 'sleep', '300'], start_new_session=True)\n"
         "print(p.pid, flush=True)\n"
