@@ -186,18 +186,8 @@ def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eag
     see it; `embed_tokens` is the target's embedding (any dtype), which exports leave out."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
-    cfg = DrafterConfig(
-        hidden_size=config["hidden_size"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
-        intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        draft_vocab_size=config["draft_vocab_size"],
-        rms_norm_eps=config["rms_norm_eps"],
-        rope_theta=config["rope_theta"],
-        max_position_embeddings=config["max_position_embeddings"],
-    )
+    # config.json is an HF Llama config, the shape the drafter takes from its target.
+    cfg = DrafterConfig.from_target_config(config, draft_vocab_size=config["draft_vocab_size"])
     tensors = load_file(str(export_dir / "model.safetensors"))
     problems = export_problems(tensors, cfg)
     if problems:

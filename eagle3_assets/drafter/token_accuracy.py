@@ -49,9 +49,6 @@ class ClassAccuracy:
     acc: list[float]  # acc_k, k = 0..K-1
     predictions: list[int]  # predictions scored at step k
 
-    def to_json(self) -> dict[str, list]:
-        return {"acc": [round(a, 5) for a in self.acc], "predictions": self.predictions}
-
 
 def label_rows(
     prompts: Sequence[Prompt],
