@@ -125,3 +125,10 @@ def test_report_metadata_lists_only_classes_present_in_the_eval_set():
         "eval_rows_off_reference": 1,
     }  # fmt: skip
     assert (meta["feature_gain_k3"], meta["feature_gain_k7"]) == (2.0, 2.0)
+
+
+def test_malformed_fact_spans_are_refused_naming_the_prompt(tiny_target_dir):
+    tok = load_tokenizer(tiny_target_dir)
+    prompt = Prompt("eval-07", [{"role": "user", "content": "hi"}], {"reference": "<think>red</think>", "fact_spans": [[7, 99]]})
+    with pytest.raises(ValueError, match=r"eval prompt eval-07: fact_spans must be .* <= 18 .*got \[\[7, 99\]\]"):
+        label_rows([prompt], [[1, 3]], [[5, 6]], tok)

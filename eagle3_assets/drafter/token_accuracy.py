@@ -65,7 +65,7 @@ def label_rows(
         fact = [False] * n
         reference = prompt.extra.get("reference")
         if isinstance(reference, str):
-            ref_ids, flags = span_token_flags(tokenizer, reference, [tuple(s) for s in prompt.extra.get("fact_spans", [])])
+            ref_ids, flags = span_token_flags(tokenizer, reference, _fact_spans(prompt, len(reference)))
             if list(a_ids[: len(ref_ids)]) == ref_ids:
                 fact[n_prompt : n_prompt + len(flags)] = flags
             else:
@@ -83,6 +83,20 @@ def label_rows(
             )
         )
     return rows, off_reference
+
+
+def _fact_spans(prompt: Prompt, reference_chars: int) -> list[tuple[int, int]]:
+    spans = prompt.extra.get("fact_spans", [])
+    ok = isinstance(spans, list) and all(
+        isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) for x in s) and 0 <= s[0] < s[1] <= reference_chars
+        for s in spans
+    )
+    if not ok:
+        raise ValueError(
+            f"eval prompt {prompt.id}: fact_spans must be [[start, end], ...] character offsets with "
+            f"0 <= start < end <= {reference_chars} (the reference's length), got {spans!r}"
+        )
+    return [(s[0], s[1]) for s in spans]
 
 
 @torch.no_grad()
