@@ -31,7 +31,7 @@ demo: install
 	$(BIN)/python -m eagle3_assets.demo_run
 
 test: install ui-deps
-	$(BIN)/python -m pytest -x -q eagle3_assets_tests
+	$(BIN)/python -m pytest -q eagle3_assets_tests
 
 ui: install
 	$(BIN)/python -m eagle3_assets.ui
