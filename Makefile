@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install ui-deps demo test ui bench clean
+.PHONY: install ui-deps demo test test-fast ui bench clean
 
 $(BIN)/.installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
@@ -28,10 +28,15 @@ ui-deps:
 	bash scripts/install_ui_deps.sh
 
 demo: install
-	$(BIN)/python -m eagle3_assets.demo_run
+	$(BIN)/python -m eagle3_assets.defs.demo_run
 
+# The whole suite, as CI runs it; every failure is reported (no -x).
 test: install ui-deps
 	$(BIN)/python -m pytest -q eagle3_assets_tests
+
+# For iterating: no model training, no servers (under 5 minutes).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" eagle3_assets_tests
 
 ui: install
 	$(BIN)/python -m eagle3_assets.ui

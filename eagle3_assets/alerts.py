@@ -16,6 +16,7 @@ variable named by `alerts.webhook_env` and never logged, returned or put in an e
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -24,9 +25,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from eagle3_assets.settings import AlertSettings
 
@@ -104,56 +104,6 @@ def find_stalls(runs: Iterable[RunProgress], now: float, stall_after_s: float) -
     return out
 
 
-def process_alive(pid: int, started_by: float | None = None) -> bool:
-    """Whether `pid` is a live process on this machine (zombies count as gone).
-
-    With `started_by` (epoch seconds), a process that started later is a different one
-    that reused the pid, so it counts as gone too (Linux /proc; elsewhere not checked).
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by another user
-    stat = _proc_stat(pid)
-    if stat is None:
-        return True
-    state, start_ticks = stat
-    if state in ("Z", "X"):
-        return False
-    if started_by is not None:
-        boot = _boot_time()
-        if boot is not None:
-            started_at = boot + start_ticks / os.sysconf("SC_CLK_TCK")
-            # 2 s of slack: boot time and tick counts are coarse.
-            if started_at > started_by + 2.0:
-                return False
-    return True
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])  # state (field 3), starttime (field 22)
-
-
-def _boot_time() -> float | None:
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 @dataclass(frozen=True)
 class Alert:
     """One alert: `text` for people (chat webhooks show it), `fields` for machines."""
@@ -223,11 +173,16 @@ def post_alert(
     if urlsplit(url).scheme not in ("http", "https"):
         return WebhookResult(False, f"${settings.webhook_env} does not hold an http(s) URL; alert not sent")
     body = json.dumps(alert.payload()).encode()
+    try:
+        target, headers = _without_userinfo(url)
+    except ValueError:  # e.g. a port that is not a number; the text would show the URL
+        return WebhookResult(False, f"${settings.webhook_env} does not hold a valid URL; alert not sent")
     last = ""
     for attempt in range(1, attempts + 1):
         request = urllib.request.Request(
-            url, data=body, method="POST", headers={"Content-Type": "application/json", "User-Agent": "eagle3-alerts"}
-        )
+            target, data=body, method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": "eagle3-alerts", **headers},
+        )  # fmt: skip
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                 return WebhookResult(True, f"webhook ${settings.webhook_env} answered HTTP {resp.status}")
@@ -242,10 +197,25 @@ def post_alert(
     return WebhookResult(False, f"webhook ${settings.webhook_env} failed: {redact(last, url)}")
 
 
-def redact(text: str, url: str) -> str:
-    """`text` with the URL and its path/query (where tokens live) replaced."""
+def _without_userinfo(url: str) -> tuple[str, dict[str, str]]:
+    """(URL, headers): `http://user:pass@host/…` becomes basic auth, which urllib does not read from a URL."""
     parts = urlsplit(url)
-    for secret in sorted({url, url.rstrip("/"), parts.path, parts.query}, key=len, reverse=True):
-        if len(secret) > 1:
+    if parts.username is None:
+        return url, {}
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    credentials = base64.b64encode(f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()).decode()
+    return parts._replace(netloc=netloc).geturl(), {"Authorization": f"Basic {credentials}"}
+
+
+def redact(text: str, url: str) -> str:
+    """`text` with the URL and the places tokens live in it (user info, path, query) replaced."""
+    parts = urlsplit(url)
+    secrets = {url, url.rstrip("/"), parts.path, parts.query, parts.netloc.rpartition("@")[0]}
+    secrets |= {parts.username or "", parts.password or ""}
+    for secret in sorted(secrets, key=len, reverse=True):
+        # Path and query are skipped when a bare "/": replacing every slash would only garble.
+        if secret and secret != "/":
             text = text.replace(secret, REDACTED)
     return text

@@ -1,87 +1,55 @@
-"""Render a conversation with the target's own chat template and mark the assistant tokens.
+"""The target's chat template, used once per prompt: the token ids the engine is given.
 
-The loss mask is found without knowing the template's separators: for every
-assistant turn i, the text of `messages[:i]` plus the generation prompt and the
-text of `messages[:i+1]` bound exactly the characters the assistant produced
-(reasoning, answer and end-of-turn marker). Tokens starting inside those spans
-get mask 1. A template that does not render conversations prefix-consistently is
-reported instead of guessed at.
+A conversation is rendered with the generation prompt (`add_generation_prompt=True`),
+and those ids are both what the engine completes and the prompt part of the training
+row. Nothing generated is ever rendered back through the template: templates drop
+history reasoning, write empty think blocks, add newlines after the end-of-turn token
+or leave the stop token out, so a re-rendered conversation is not what the target saw
+or produced (`tokenized.py` takes the generated ids as they are).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from eagle3_assets.errors import Eagle3Error
+
 Message = dict[str, Any]
 
 
-class ChatTemplateError(ValueError):
-    """The tokenizer cannot render conversations the way the loss mask needs."""
+class ChatTemplateError(Eagle3Error, ValueError):
+    """The target's chat template cannot render a conversation; the message names it and why."""
 
 
-@dataclass(frozen=True)
-class RenderedRow:
-    input_ids: list[int]
-    loss_mask: list[int]
+def generation_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
+    """The conversation rendered with the generation prompt, as token ids (the template writes any BOS itself)."""
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja raises anything; the row is named by the caller
+        raise ChatTemplateError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def require_chat_template(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError(
-            f"{where}: the tokenizer has no chat template (tokenizer_config.json has no 'chat_template' "
-            "and there is no chat_template.jinja); conversations cannot be rendered"
-        )
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans of each assistant turn."""
-    full = _render(tokenizer, messages, generation_prompt=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not (through.startswith(before) and full.startswith(through)):
-            raise ChatTemplateError(
-                f"chat template is not prefix-consistent at message {i}: rendering the conversation up to "
-                "an assistant turn does not extend the rendering before it, so assistant tokens cannot be located"
-            )
-        spans.append((len(before), len(through)))
-    return full, spans
-
-
-def render_with_loss_mask(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> RenderedRow:
-    """Token ids of the whole conversation and a mask that is 1 exactly on assistant tokens."""
-    text, spans = assistant_spans(tokenizer, messages)
-    # The template writes any BOS itself; the tokenizer must not add another.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = enc["input_ids"]
-    mask = [0] * len(ids)
-    span_iter = iter(spans)
-    span = next(span_iter, None)
-    for t, (start, _end) in enumerate(enc["offset_mapping"]):
-        while span is not None and start >= span[1]:
-            span = next(span_iter, None)
-        if span is None:
-            break
-        if start >= span[0]:
-            mask[t] = 1
-    return RenderedRow(ids, mask)
+def _offsets(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of `text` and each token's character span; slow tokenizers (no offset mapping) by decoding prefixes."""
+    if tokenizer.is_fast:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    spans, start = [], 0
+    for k in range(1, len(ids) + 1):
+        end = len(tokenizer.decode(ids[:k], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        spans.append((start, end))
+        start = end
+    return ids, spans
 
 
 def span_token_flags(
     tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequence[tuple[int, int]]
 ) -> tuple[list[int], list[bool]]:
     """`text`'s token ids and, per token, whether it overlaps one of the [start, end) character spans."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    flags = [any(a < end and start < b for start, end in spans) for a, b in enc["offset_mapping"]]
-    return list(enc["input_ids"]), flags
+    ids, offsets = _offsets(tokenizer, text)
+    return ids, [any(a < end and start < b for start, end in spans) for a, b in offsets]

@@ -1,40 +1,58 @@
-"""The Dagster code location: `dagster dev -w workspace.yaml` or `-m eagle3_assets.definitions`.
+"""The code location: `dagster dev -w workspace.yaml` or `-m eagle3_assets.definitions`.
 
 Settings come from $EAGLE3_CONFIG (the embedded demo without it) and artifacts live
 under $EAGLE3_ROOT; bad settings fail here, at load, with the field named.
 """
 
-from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus, Definitions
+import warnings
+
+from dagster import (
+    AssetSelection,
+    AutomationConditionSensorDefinition,
+    DagsterInstance,
+    DefaultSensorStatus,
+    Definitions,
+    multi_or_in_process_executor,
+)
 
 from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.drafter import assets as drafter
+from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
-from eagle3_assets.defs.ops.sensors import run_failure_alert_sensor, shard_stall_sensor
-from eagle3_assets.defs.shards import assets as shards
+from eagle3_assets.defs.ops.runs import pool_limit
+from eagle3_assets.defs.ops.sensors import dead_runs_sensor, run_failure_alert_sensor, shard_stall_sensor
 from eagle3_assets.defs.shards import checks as shard_checks
+from eagle3_assets.defs.shards.assets import hidden_states_asset
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
 from eagle3_assets.project import Project
 
 
 def build_definitions(project: Project) -> Definitions:
-    hidden_states = shards.hidden_states.with_attributes(
-        automation_condition=shard_backfill_condition(project.settings.extraction.backfill_cron)
+    settings = project.settings
+    hidden_states = hidden_states_asset(settings.extraction).with_attributes(
+        automation_condition=shard_backfill_condition(settings.extraction.backfill_cron)
     )
+    assets = [
+        data.prompts,
+        data.target_model,
+        data.responses,
+        data.tokenized,
+        data.token_freq,
+        data.vocab_map,
+        hidden_states,
+        drafter.drafter,
+        drafter.drafter_eval,
+    ]
+    checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
+    jobs = [shard_checks.verify_shards]
+    # What a per-step Kubernetes config may name: every op these definitions run.
+    ops = [a.op.name for a in assets] + [c.node_def.name for c in checks] + [shard_checks.verify_all_shards.name]
+    executor = k8s_executor_from_environment(ops) or multi_or_in_process_executor
     return Definitions(
-        assets=[
-            data.prompts,
-            data.target_model,
-            data.responses,
-            data.tokenized,
-            data.token_freq,
-            data.vocab_map,
-            hidden_states,
-            drafter.drafter,
-            drafter.drafter_eval,
-        ],
-        asset_checks=[data_checks.vocab_map_invariant, shard_checks.shard_integrity],
-        jobs=[shard_checks.verify_shards],
+        assets=assets,
+        asset_checks=checks,
+        jobs=jobs,
         sensors=[
             AutomationConditionSensorDefinition(
                 "shard_backfill",
@@ -43,13 +61,29 @@ def build_definitions(project: Project) -> Definitions:
                 minimum_interval_seconds=60,
                 description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule.",
             ),
+            dead_runs_sensor,
             shard_stall_sensor,
             run_failure_alert_sensor,
         ],
-        # Dagster's default executor unless $EAGLE3_K8S_EXECUTOR names a dagster-k8s config (docs/KUBERNETES.md).
-        executor=k8s_executor_from_environment(),
+        executor=with_run_start_sweep(executor, settings),
         resources={"project": project},
     )
 
 
+def _warn_without_gpu_pool_limit() -> None:
+    """A $DAGSTER_HOME without the repo's dagster.yaml lets two runs extract one shard at once; runs refuse
+    GPU steps there (`executor.py`), and the code location says so as it loads."""
+    try:
+        instance = DagsterInstance.get()
+    except Exception:  # noqa: BLE001 - no $DAGSTER_HOME: CLI runs go to a temporary instance, said elsewhere
+        return
+    if pool_limit(instance) is None:
+        warnings.warn(
+            "this Dagster instance has no limit for the `gpu` pool: GPU runs will be refused. Copy the repo's "
+            "dagster.yaml into $DAGSTER_HOME (`make install` does), or run `dagster instance concurrency set gpu 1`",
+            stacklevel=1,
+        )
+
+
 defs = build_definitions(Project.from_environment())
+_warn_without_gpu_pool_limit()

@@ -1,4 +1,4 @@
-"""The running pipeline: its settings and its artifact store, and where the target model lives.
+"""The running pipeline: its settings, its artifact store, and where the target model lives.
 
 Dagster hands one `Project` to every asset as a resource; tests build their own.
 """
@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.settings import ModelShape, Settings, artifact_root, load_settings, read_model_shape
+from eagle3_assets.settings import Settings, artifact_root, load_settings
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
 
 DEMO_MODEL_DIR = "target_model/model"
 DEMO_MODEL_SETTINGS = "target_model/demo_settings.json"
@@ -29,12 +30,11 @@ class Project:
     def model_name(self) -> str:
         return self.settings.target_model or "eagle3-demo-target"
 
-    def target_shape(self) -> ModelShape:
-        """Layers, hidden size and vocab of the target, from its config.json."""
-        shape = read_model_shape(str(self.target_dir()))
-        if shape is None or not shape.hidden_size:
-            raise ValueError(f"cannot read the target's shape from {self.target_dir()}/config.json")
-        return shape
+    def target(self) -> TargetModel:
+        """The target's description with the configured aux layers resolved: read once per asset, then handed down."""
+        return TargetModel.read(
+            self.target_dir(), aux_layer_ids=self.settings.aux_layer_ids, trust_remote_code=self.settings.trust_remote_code
+        )
 
     def target_dir(self) -> Path:
         """A local directory holding the target model (engines load from local paths only)."""

@@ -10,13 +10,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3_assets.errors import Refusal
+
 PROMPTS_FILE = "prompts/prompts.jsonl"
 EVAL_PROMPTS_FILE = "prompts/eval_prompts.jsonl"
 
 _ROLES = {"system", "user", "assistant"}
 
 
-class PromptsError(ValueError):
+class PromptsError(Refusal, ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 
@@ -65,7 +67,8 @@ def parse_prompts(text: str, source: str) -> list[Prompt]:
     """All prompts in a JSONL text; raises PromptsError naming `source` and the line at fault."""
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # A byte-order mark (Windows editors write one) is not part of the first line.
+    for lineno, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{source}:{lineno}"

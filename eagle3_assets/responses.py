@@ -1,10 +1,17 @@
 """The `responses` artifact: the target's answer to every prompt, generated resumably.
 
+Each row records the prompt exactly as the engine saw it (`prompt_token_ids`: the chat
+template with the generation prompt, rendered once) and exactly what the engine
+produced (`completion_token_ids`, the stop token included when it stopped on one), with
+`finish_reason`: that pair is the training row. The messages keep the answer's text and
+its reasoning apart (`content`, `reasoning_content`) for people, decoded from those ids.
+
 Rows are generated in parts of `rows_per_part` prompts; each part is written
 atomically to `responses/parts/part-NNNNN.jsonl`, so a killed run keeps every
 finished part and the rerun generates only what is missing (and retries rows that
 failed). When all parts exist they are joined into `responses/responses.jsonl`.
-A part is trusted only if it parses and holds exactly the prompt ids it should.
+A part is trusted only if it parses, holds exactly the prompt ids it should, and was
+written in this format (parts of the earlier, text-only format are regenerated).
 """
 
 from __future__ import annotations
@@ -15,16 +22,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from eagle3_assets.generation.base import Completion, Generator
+from transformers import PreTrainedTokenizerBase
+
+from eagle3_assets.chat import ChatTemplateError, generation_prompt_ids
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.generation.base import Generated, Generator
 from eagle3_assets.prompts import Prompt
+from eagle3_assets.reasoning import ReasoningFormat, split_completion
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
 
 PARTS_DIR = "responses/parts"
 RESPONSES_FILE = "responses/responses.jsonl"
+TOKEN_FIELDS = ("prompt_token_ids", "completion_token_ids")
 
 
-class ResponsesError(RuntimeError):
+class ResponsesError(Eagle3Error, RuntimeError):
     """Too many rows failed; everything generated is kept and a rerun retries the failures."""
 
 
@@ -72,21 +85,52 @@ def part_path(index: int) -> str:
     return f"{PARTS_DIR}/part-{index:05d}.jsonl"
 
 
-def response_record(row: int, prompt: Prompt, c: Completion) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Renderer:
+    """Everything that turns prompts into engine input and engine output into a record."""
+
+    tokenizer: PreTrainedTokenizerBase
+    reasoning: ReasoningFormat
+    stop_token_ids: set[int]
+    max_seq_len: int  # a prompt this long leaves no room for an answer in a training row
+
+
+def render(prompt: Prompt, renderer: Renderer) -> list[int] | str:
+    """The prompt's token ids, or why it cannot be generated (its error)."""
+    try:
+        ids = generation_prompt_ids(renderer.tokenizer, prompt.messages)
+    except ChatTemplateError as e:
+        return str(e)
+    if len(ids) >= renderer.max_seq_len:
+        return (
+            f"prompt has {len(ids)} tokens, max_seq_len is {renderer.max_seq_len}: no room for an answer in a "
+            "training row (not generated)"
+        )
+    return ids
+
+
+def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: Generated, renderer: Renderer) -> dict[str, Any]:
     messages = list(prompt.messages)
-    if c.error is None:
-        messages.append({"role": "assistant", "content": c.content, "reasoning_content": c.reasoning})
+    reasoning_tokens = 0
+    if g.error is None and prompt_ids is not None:
+        split = split_completion(
+            renderer.tokenizer, renderer.reasoning, prompt_ids, g.completion_token_ids, renderer.stop_token_ids
+        )
+        messages.append({"role": "assistant", "content": split.content, "reasoning_content": split.reasoning})
+        reasoning_tokens = split.reasoning_tokens
     return {
         "id": prompt.id,
         "row": row,
         "messages": messages,
-        "finish_reason": c.finish_reason,
+        "prompt_token_ids": prompt_ids or [],
+        "completion_token_ids": g.completion_token_ids,
+        "finish_reason": g.finish_reason,
         "usage": {
-            "prompt_tokens": c.prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "reasoning_tokens": c.reasoning_tokens,
+            "prompt_tokens": len(prompt_ids or []),
+            "completion_tokens": len(g.completion_token_ids),
+            "reasoning_tokens": reasoning_tokens,
         },
-        "error": c.error,
+        "error": g.error,
         **prompt.extra,
     }
 
@@ -99,7 +143,7 @@ def _read_part(store: ArtifactStore, index: int, expected_ids: list[str]) -> lis
         records = [json.loads(line) for line in store.read_text(part_path(index)).splitlines()]
     except (ValueError, UnicodeDecodeError):
         return None
-    if [r.get("id") for r in records] != expected_ids:
+    if [r.get("id") for r in records] != expected_ids or not all(all(f in r for f in TOKEN_FIELDS) for r in records):
         return None
     return records
 
@@ -108,6 +152,7 @@ def generate_responses(
     store: ArtifactStore,
     prompts: list[Prompt],
     generator: Generator,
+    renderer: Renderer,
     settings: GenerationSettings,
     *,
     on_progress: Callable[[ResponsesProgress], None] | None = None,
@@ -130,11 +175,15 @@ def generate_responses(
         if records is not None:
             reused += len(chunk) - len(redo)
         if redo:
-            completions = generator.generate([chunk[i].messages for i in redo])
+            rendered = {i: render(chunk[i], renderer) for i in redo}
+            ready = [i for i in redo if isinstance(rendered[i], list)]
+            outputs = dict(zip(ready, generator.generate([rendered[i] for i in ready]), strict=True))
             records = records or [{} for _ in chunk]
-            for i, c in zip(redo, completions, strict=True):
-                records[i] = response_record(first + i, chunk[i], c)
-                new_tokens += c.completion_tokens
+            for i in redo:
+                ids = rendered[i]
+                g = outputs[i] if isinstance(ids, list) else Generated.failed(str(ids))
+                records[i] = response_record(first + i, chunk[i], ids if isinstance(ids, list) else None, g, renderer)
+                new_tokens += len(g.completion_token_ids)
             generated += len(redo)
             store.write_text(part_path(index), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             log(f"responses: part {index + 1}/{num_parts} written ({len(redo)} rows generated)")

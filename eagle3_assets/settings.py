@@ -7,22 +7,23 @@ Every error names the setting at fault, e.g. `aux_layer_ids: layer id 2 appears 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from eagle3_assets.errors import Refusal
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 ROOT_ENV = "EAGLE3_ROOT"
 DEFAULT_ROOT = ".eagle3"
 
 
-class SettingsError(ValueError):
-    """Settings that cannot work; the message names the field."""
+class SettingsError(Refusal, ValueError):
+    """Settings that cannot work; the message names the field (or the environment variable)."""
 
 
 class _Section(BaseModel):
@@ -40,6 +41,11 @@ class GenerationSettings(_Section):
     rows_per_part: int = Field(256, ge=1, description="rows per atomically written part file: the resume granularity")
     max_error_rate: float = Field(0.05, ge=0.0, le=1.0, description="fail the asset when more rows than this fail")
     seed: int = 0
+    reasoning: Literal["auto", "think", "harmony", "none"] = Field(
+        "auto",
+        description="how the target marks its reasoning: <think>...</think>, gpt-oss harmony channels, or none; "
+        "auto = from the tokenizer's tokens",
+    )
 
 
 class ExtractionSettings(_Section):
@@ -47,11 +53,23 @@ class ExtractionSettings(_Section):
 
     backend: Literal["hf", "vllm"] = "hf"
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch (rows sorted by length)")
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16", description="float8_e4m3fn: half the bytes, one float32 scale per token and tensor"
+    )
     progress_interval_s: float = Field(30.0, gt=0, description="seconds between progress observations")
     disk_margin: float = Field(0.05, ge=0.0, description="extra free space required over the projection, as a fraction")
-    max_retries: int = Field(2, ge=0, description="in-run retries of a failed shard")
+    max_retries: int = Field(2, ge=0, description="in-run retries of a failed shard (refusals are never retried)")
     backfill_cron: str = Field("*/15 * * * *", description="when missing or failed shards are requested")
+
+    @field_validator("backfill_cron")
+    @classmethod
+    def _cron(cls, cron: str) -> str:
+        # Dagster's own parser: the one the automation condition will run it through.
+        from dagster._utils.schedules import is_valid_cron_string
+
+        if not is_valid_cron_string(cron):
+            raise ValueError(f"{cron!r} is not a 5-field cron schedule, e.g. '*/15 * * * *' (every 15 minutes)")
+        return cron
 
 
 class TrainingSettings(_Section):
@@ -74,8 +92,25 @@ class TrainingSettings(_Section):
 class VllmSettings(_Section):
     """Engine settings passed through to vLLM when a backend is `vllm` (generation or extraction)."""
 
+    @field_validator("server_urls")
+    @classmethod
+    def _distinct_urls(cls, urls: list[str]) -> list[str]:
+        cleaned = [u.rstrip("/") for u in urls]
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError(f"{urls} names a server twice")
+        return cleaned
+
+    @property
+    def extraction_urls(self) -> list[str]:
+        """The long-lived servers extraction may use: `server_urls`, else `server_url`, else none (start one)."""
+        return self.server_urls or ([self.server_url.rstrip("/")] if self.server_url else [])
+
     server_url: str | None = Field(
         None, description="reuse a vLLM server already running at this URL; None = start one for the run"
+    )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        description="several long-lived extraction servers: each shard run holds one of them while it runs",
     )
     host: str = Field("127.0.0.1", description="where a server started by the pipeline listens")
     port: int = Field(8000, ge=1, le=65535)
@@ -83,7 +118,6 @@ class VllmSettings(_Section):
     dtype: str = "auto"
     max_model_len: int | None = Field(None, ge=16)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    reasoning_parser: str | None = Field(None, description="e.g. deepseek_r1 when <think>/</think> are single tokens")
     max_concurrency: int = Field(16, ge=1, description="requests in flight per run")
     startup_timeout_s: float = Field(900.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as-is")
@@ -114,6 +148,9 @@ class Settings(_Section):
     """Everything the pipeline needs to know; validated when loaded."""
 
     target_model: str | None = Field(None, description="HF model directory (local or fsspec URL); None = demo target")
+    trust_remote_code: bool = Field(
+        False, description="run the tokenizer/model code that ships with the target (Kimi needs it); only for targets you trust"
+    )
     prompts: str | None = Field(None, description="JSONL of prompts (local or fsspec URL); None = demo prompts")
     eval_prompts: str | None = Field(
         None, description="JSONL of held-out prompts for drafter_eval, never used in training; None = demo's"
@@ -125,6 +162,11 @@ class Settings(_Section):
     draft_vocab_size: int = Field(32000, ge=1)
     max_seq_len: int = Field(4096, ge=8, description="tokens per conversation row")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="what to do with rows over max_seq_len")
+    unfinished_responses: Literal["keep", "drop"] = Field(
+        "keep",
+        description="responses cut by max_new_tokens (finish_reason length): train on them as generated "
+        "(no end-of-turn is added) or leave them out",
+    )
     generation: GenerationSettings = GenerationSettings()
     extraction: ExtractionSettings = ExtractionSettings()
     training: TrainingSettings = TrainingSettings()
@@ -152,33 +194,12 @@ class Settings(_Section):
     def is_demo(self) -> bool:
         return self.target_model is None
 
-    def resolved_aux_layer_ids(self, num_layers: int) -> list[int]:
-        """The aux layer ids for a model with `num_layers` decoder layers, checked against it."""
-        ids = self.aux_layer_ids or default_aux_layer_ids(num_layers)
-        bad = [i for i in ids if not 1 <= i <= num_layers - 1]
-        if bad:
-            raise SettingsError(
-                f"aux_layer_ids: layer id(s) {bad} outside the model, which has {num_layers} layers "
-                f"(valid 'input of layer i' ids: 1..{num_layers - 1})"
-            )
-        if len(set(ids)) != len(ids):
-            raise SettingsError(
-                f"aux_layer_ids: default ids {ids} collide for a {num_layers}-layer model; set them explicitly"
-            )
-        return ids
-
-    def check_against_model(self, *, num_layers: int, vocab_size: int) -> None:
-        """Settings that only make sense for a given model; raise SettingsError naming the field."""
+    def check_against_target(self, *, vocab_size: int) -> None:
+        """Settings that only make sense for a given target; raise SettingsError naming the field."""
         if self.draft_vocab_size > vocab_size:
             raise SettingsError(
                 f"draft_vocab_size: {self.draft_vocab_size} is larger than the target vocabulary ({vocab_size})"
             )
-        self.resolved_aux_layer_ids(num_layers)
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """DESIGN §4: [2, N//2, N-3] (Kimi, 61 layers: [2, 30, 58])."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def demo_settings() -> Settings:
@@ -217,32 +238,6 @@ def parse_settings(data: dict, source: str = "settings") -> Settings:
         raise SettingsError(_format_validation_error(source, e)) from None
 
 
-class ModelShape(NamedTuple):
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    max_context: int  # max_position_embeddings; 0 when the config does not say
-
-
-def read_model_shape(model_path: str) -> ModelShape | None:
-    """The target's shape from its config.json, or None when it cannot be read here."""
-    try:
-        with fsspec.open(f"{model_path.rstrip('/')}/config.json", "r") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    cfg = cfg.get("text_config", cfg)
-    try:
-        return ModelShape(
-            int(cfg["num_hidden_layers"]),
-            int(cfg.get("hidden_size", 0)),
-            int(cfg["vocab_size"]),
-            int(cfg.get("max_position_embeddings") or 0),
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def load_settings(environ: dict[str, str] | None = None) -> Settings:
     """Settings from $EAGLE3_CONFIG (YAML), or the demo settings when it is unset."""
     env = os.environ if environ is None else environ
@@ -250,22 +245,28 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
     if not path:
         return demo_settings()
     try:
-        with fsspec.open(path, "r") as f:
+        with fsspec.open(path, "r", encoding="utf-8-sig") as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise SettingsError(f"{CONFIG_ENV}={path}: file not found") from None
+    except IsADirectoryError:
+        raise SettingsError(f"{CONFIG_ENV}={path}: is a directory; name the YAML settings file in it") from None
+    except (OSError, ValueError) as e:  # an unknown protocol, an unreadable file
+        raise SettingsError(f"{CONFIG_ENV}={path}: cannot be read: {e}") from None
     except yaml.YAMLError as e:
         raise SettingsError(f"{CONFIG_ENV}={path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise SettingsError(f"{CONFIG_ENV}={path}: expected a mapping of settings, got {type(data).__name__}")
     settings = parse_settings(data, source=path)
-    if settings.target_model:
-        shape = read_model_shape(settings.target_model)
-        if shape is not None:
-            try:
-                settings.check_against_model(num_layers=shape.num_layers, vocab_size=shape.vocab_size)
-            except SettingsError as e:
-                raise SettingsError(f"invalid settings in {path}: {e}") from None
+    if settings.target_model and "://" not in settings.target_model and Path(settings.target_model).is_dir():
+        # A local target is checked now, so a wrong layer id fails the code location, not a shard hours later.
+        from eagle3_assets.target import TargetModel, TargetModelError
+
+        try:
+            target = TargetModel.read(settings.target_model, aux_layer_ids=settings.aux_layer_ids)
+            settings.check_against_target(vocab_size=target.vocab_size)
+        except (SettingsError, TargetModelError) as e:
+            raise SettingsError(f"invalid settings in {path}: {e}") from None
     return settings
 
 
@@ -274,5 +275,10 @@ def artifact_root(environ: dict[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     root = env.get(ROOT_ENV) or DEFAULT_ROOT
     if "://" not in root:
-        root = str(Path(root).resolve())
+        return str(Path(root).resolve())
+    protocol = root.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as e:
+        raise SettingsError(f"{ROOT_ENV}={root}: {e}") from None
     return root

@@ -22,10 +22,12 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from eagle3_assets.errors import Eagle3Error
+
 TMP_MARK = ".tmp-"
 
 
-class StoreError(RuntimeError):
+class StoreError(Eagle3Error, RuntimeError):
     """A store operation failed; the message names the artifact and the cause."""
 
 

@@ -3,7 +3,7 @@
 The webserver shows the asset graph, shard partitions and their progress figures; the
 daemon runs what the UI queues (backfills, the run queue, sensors, run monitoring).
 Each starts in its own session (process group): a Dagster server started in the
-background of a script ignores SIGTERM/SIGINT sent to it alone (DESIGN §7), so both
+background of a script ignores SIGTERM/SIGINT sent to it alone (docs/DESIGN.md §7), so both
 are stopped by signalling their whole group, and killed when they do not go in time.
 Ctrl-C or SIGTERM here stops both; if either dies, the other is stopped too.
 
@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.processes import stop_groups
+
 HOST_ENV = "EAGLE3_UI_HOST"
 PORT_ENV = "EAGLE3_UI_PORT"
 DEFAULT_HOST = "127.0.0.1"
@@ -31,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 20.0
 
 
-class UiError(RuntimeError):
+class UiError(Eagle3Error, RuntimeError):
     """The UI cannot start or stopped on its own; the message names the process or setting."""
 
 
@@ -99,26 +102,7 @@ class UiProcesses:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM both groups, wait up to `grace_s`, then SIGKILL what is left (code servers included)."""
-        procs = [self.webserver, self.daemon]
-        for proc in procs:
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        # The leaders may be gone while their children (code servers) linger in the group.
-        for proc in procs:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the leader's pid is its group id (start_new_session)
-    except ProcessLookupError:
-        pass
+        stop_groups([self.webserver, self.daemon], grace_s)
 
 
 def start_ui(config: UiConfig, env: Mapping[str, str] | None = None, log_dir: Path | None = None) -> UiProcesses:
@@ -150,8 +134,7 @@ def start_ui(config: UiConfig, env: Mapping[str, str] | None = None, log_dir: Pa
     try:
         daemon = spawn("daemon", daemon_command(config))
     except BaseException:
-        _signal_group(webserver, signal.SIGKILL)
-        webserver.wait()
+        stop_groups([webserver], 0.0)
         raise
     return UiProcesses(config, webserver, daemon, logs)
 

@@ -1,4 +1,10 @@
-"""Token frequencies and the draft vocabulary map (DESIGN §3, the contract vLLM and SGLang read)."""
+"""Token frequencies and the draft vocabulary map (docs/DESIGN.md §3, the contract vLLM and SGLang read).
+
+The files are read and written here only: `token_freq/token_freq.safetensors` (`counts`
+int64 [target_vocab]) and `vocab_map/vocab_map.safetensors` (`d2t` int64 [draft_vocab],
+`t2d` bool [target_vocab]). `vocab_map_problems` is the one statement of the invariant
+`nonzero(t2d) == d2t + arange(draft_vocab)`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from eagle3_assets.storage import ArtifactStore
 
 TOKEN_FREQ_FILE = "token_freq/token_freq.safetensors"
 VOCAB_MAP_FILE = "vocab_map/vocab_map.safetensors"
@@ -45,6 +55,23 @@ class VocabMap:
     @property
     def draft_ids_to_target(self) -> np.ndarray:
         return self.d2t + np.arange(len(self.d2t))
+
+    def save(self, store: ArtifactStore) -> int:
+        data = st_save({"d2t": self.d2t, "t2d": self.t2d}, metadata={"draft_vocab_size": str(len(self.d2t))})
+        return store.write_bytes(VOCAB_MAP_FILE, data)
+
+    @classmethod
+    def load(cls, store: ArtifactStore) -> VocabMap:
+        tensors = st_load(store.read_bytes(VOCAB_MAP_FILE))
+        return cls(tensors["d2t"], tensors["t2d"])
+
+
+def save_token_frequencies(store: ArtifactStore, counts: np.ndarray) -> int:
+    return store.write_bytes(TOKEN_FREQ_FILE, st_save({"counts": counts}))
+
+
+def load_token_frequencies(store: ArtifactStore) -> np.ndarray:
+    return st_load(store.read_bytes(TOKEN_FREQ_FILE))["counts"]
 
 
 def build_vocab_map(freq: np.ndarray, draft_vocab_size: int) -> VocabMap:

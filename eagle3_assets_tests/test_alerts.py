@@ -32,18 +32,20 @@ from eagle3_assets.alerts import (
     Stall,
     find_stalls,
     post_alert,
-    process_alive,
     redact,
     run_failure_alert,
     stall_alert,
 )
 from eagle3_assets.definitions import build_definitions
+from eagle3_assets.defs.ops.runs import PID_TAG, process_tags
 from eagle3_assets.defs.ops.sensors import (
     STALL_SINCE_TAG,
     STALL_TAG,
     build_shard_stall_sensor,
+    dead_runs_sensor,
     run_failure_alert_sensor,
 )
+from eagle3_assets.processes import process_alive
 from eagle3_assets.project import Project
 from eagle3_assets.settings import AlertSettings
 from eagle3_assets.storage import ArtifactStore
@@ -230,6 +232,19 @@ def test_a_webhook_failure_never_reveals_the_url(monkeypatch):
     )
 
 
+def test_a_webhook_with_user_info_is_sent_with_basic_auth_and_its_password_never_shown(monkeypatch):
+    with WebhookServer() as hook:
+        host = hook.url.split("//", 1)[1]
+        monkeypatch.setenv(WEBHOOK_ENV, f"http://bot:S3CRET@{host}")
+        result = post_alert(Alert("run_failed", "t"), ALERTS, timeout_s=5, attempts=1)
+    assert result.sent and result.detail == f"webhook ${WEBHOOK_ENV} answered HTTP 200"
+    assert hook.headers[0]["Authorization"] == "Basic Ym90OlMzQ1JFVA=="  # bot:S3CRET
+    monkeypatch.setenv(WEBHOOK_ENV, "http://bot:S3CRET@127.0.0.1:notaport/hook")
+    result = post_alert(Alert("run_failed", "t"), ALERTS, timeout_s=5, attempts=1)
+    assert result.detail == f"${WEBHOOK_ENV} does not hold a valid URL; alert not sent"
+    assert "S3CRET" not in redact("InvalidURL: nonnumeric port: 'S3CRET@host'", "http://bot:S3CRET@host/x")
+
+
 # --- sensors -------------------------------------------------------------------------------------
 
 
@@ -346,6 +361,45 @@ def test_stall_sensor_fails_a_run_whose_process_is_gone_and_frees_its_slot(insta
     assert evaluate(sensor, instance, project).skip_message == (
         "0 running shard run(s): 0 newly stalled, 0 with their process gone"
     )
+
+
+def test_dead_runs_sensor_fails_any_run_whose_recorded_process_is_gone_and_frees_slots_of_finished_runs(
+    instance, project, monkeypatch
+):
+    job = build_definitions(project).resolve_implicit_global_asset_job_def()
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        # A `drafter` run (not a shard) started from the CLI: the executor recorded its process.
+        # A run force-terminated while it held the slot: CANCELED, the slot still claimed.
+        canceled = instance.create_run_for_job(job, asset_selection={AssetKey("responses")})
+        instance.event_log_storage.claim_concurrency_slot("gpu", canceled.run_id, "responses")
+        instance.report_run_canceled(canceled)
+        dead = instance.create_run_for_job(job, asset_selection={AssetKey("drafter")}, tags=process_tags(worker.pid))
+        instance.handle_new_event(_entry(dead, DagsterEventType.RUN_START, time.time() - 60))
+        instance.event_log_storage.claim_concurrency_slot("gpu", dead.run_id, "drafter")  # waits for the slot
+        with WebhookServer() as hook:
+            monkeypatch.setenv(WEBHOOK_ENV, hook.url)
+            assert evaluate(dead_runs_sensor, instance, project).skip_message == (
+                "1 run(s) failed or slot(s) freed"
+            )
+            worker.kill()
+            worker.wait()
+            result = evaluate(dead_runs_sensor, instance, project)
+            again = evaluate(dead_runs_sensor, instance, project)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert result.skip_message == "1 run(s) failed or slot(s) freed"
+    assert again.skip_message == "every live run has its process"
+    assert hook.kinds() == ["run_process_gone", "run_process_gone"]
+    assert hook.received[0]["text"] == f"[eagle3] run {canceled.run_id} is canceled but still held (or waited for) a gpu slot; freed"
+    assert hook.received[1]["text"].startswith(
+        f"[eagle3] run {dead.run_id} (__ASSET_JOB): its process (pid {worker.pid}) is gone; marked failed"
+    )
+    failed = instance.get_run_by_id(dead.run_id)
+    assert failed.status == DagsterRunStatus.FAILURE and failed.tags[STALL_TAG] == "process_gone"
+    assert failed.tags[PID_TAG] == str(worker.pid)
+    assert instance.event_log_storage.get_concurrency_run_ids() == set()
 
 
 def test_stall_sensor_watches_only_shard_runs(instance, project):

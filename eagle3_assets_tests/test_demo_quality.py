@@ -17,31 +17,27 @@ import shutil
 
 import pytest
 from dagster import AssetKey
-from dagster._core.test_utils import instance_for_test
-from safetensors.numpy import load as st_load
 
+from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.demo_run import run_graph
-from eagle3_assets.drafter.evaluate import (
-    EVAL_REPORT_FILE,
-    generation_prompt_ids,
-    load_eval_prompts,
-    token_class_accuracy,
-)
+from eagle3_assets.defs.demo_run import run_graph
+from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import build_drafter, train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_in_subprocess, generate_runs_in_subprocess
-from eagle3_assets.hidden_states import extract_shard
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
+from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.project import DEMO_MODEL_DIR, Project
 from eagle3_assets.settings import demo_settings
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target_model import load_tokenizer
+from eagle3_assets.target import load_tokenizer
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet
-from eagle3_assets.vocab_map import VOCAB_MAP_FILE
+from eagle3_assets.vocab_map import VOCAB_MAP_FILE, VocabMap
+
+from .helpers import gpu_instance
 
 # The module fixture runs the whole demo (~6-11 min on a quiet 2-core machine) inside the
 # first test's budget; a machine shared with other work has taken over twice that.
@@ -63,7 +59,7 @@ class OffByOneExtractor(HFExtractor):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     project = Project(demo_settings(), ArtifactStore(tmp_path_factory.mktemp("demo-quality") / "store"))
-    with instance_for_test() as instance:
+    with gpu_instance() as instance:
         assert run_graph(build_definitions(project), instance)
         yield project, instance
 
@@ -72,8 +68,9 @@ def demo(tmp_path_factory):
 def answers(demo):
     """The eval prompts, their generation prompt ids and the target's greedy answers (from vLLM)."""
     project, _ = demo
-    prompts = load_eval_prompts(project)
-    prompt_ids = generation_prompt_ids(prompts, load_tokenizer(project.target_dir()))
+    prompts = load_eval_prompts(project.store)
+    tokenizer = load_tokenizer(project.target())
+    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
     plain = generate_in_subprocess(project.target_dir(), prompt_ids, max_tokens=160, max_model_len=512, ignore_eos=False)
     return prompts, prompt_ids, plain.outputs
 
@@ -104,12 +101,12 @@ def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, an
     project, _ = demo
     report = project.store.read_json(EVAL_REPORT_FILE)
     untrained = side_store(demo, "untrained", tmp_path_factory)
-    vmap = st_load(untrained.store.read_bytes(VOCAB_MAP_FILE))
-    target = load_target_weights(untrained.target_dir())
-    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(vmap["d2t"]))
-    model = build_drafter(cfg, target, vmap["d2t"], vmap["t2d"], project.settings.training.seed)
+    vmap = VocabMap.load(untrained.store)
+    target = untrained.target()
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=len(vmap.d2t))
+    model = build_drafter(cfg, load_target_weights(target), vmap, project.settings.training.seed)
     export_drafter(untrained.store, model.trainable_state_dict(), cfg, aux_layer_ids=[1, 2, 3])
-    accuracy, _ = token_class_accuracy(untrained, untrained.store.local_path(EXPORT_DIR), *answers)
+    accuracy, _ = token_class_accuracy(target, project.settings, untrained.store.local_path(EXPORT_DIR), *answers)
     # Measured: trained 0.673 on every answer token of the held-out prompts (0.846 on the
     # rows held out of training); untrained 0.001.
     assert report["eval_acc_0_all"] >= accuracy["all"].acc[0] + 0.4, (report["eval_acc_0_all"], accuracy["all"].acc)
@@ -136,13 +133,12 @@ def test_drafter_trained_on_off_by_one_features_scores_lower_on_fact_prompts(dem
     shifted = side_store(demo, "off-by-one", tmp_path_factory)
     settings = project.settings
     tokenized = TokenizedSet.load(shifted.store)
-    extractor = OffByOneExtractor(shifted.target_dir(), aux_layer_ids=[1, 2, 3], batch_tokens=1)
+    extractor = OffByOneExtractor(shifted.target(), batch_tokens=1)
     shards = plan_shards(tokenized.num_rows, settings.shard_size)
     for shard in shards:
         extract_shard(shifted.store, tokenized, shard, extractor, settings.extraction, model_name="demo")
-    vmap = st_load(shifted.store.read_bytes(VOCAB_MAP_FILE))
     result = train_drafter(
-        shifted.store, [s.key for s in shards], d2t=vmap["d2t"], t2d=vmap["t2d"], target_dir=shifted.target_dir(),
+        shifted.store, [s.key for s in shards], vmap=VocabMap.load(shifted.store), target=shifted.target(),
         settings=settings.training, log=lambda _: None,
     )  # fmt: skip
     export_drafter(shifted.store, result.model.trainable_state_dict(), result.config, aux_layer_ids=[1, 2, 3])
@@ -153,7 +149,7 @@ def test_drafter_trained_on_off_by_one_features_scores_lower_on_fact_prompts(dem
     # held-out acc_0 is as good as the correct one's (measured 0.868 vs 0.846).
     assert result.heldout["acc_0"] >= correct["heldout_acc_0"] - 0.05
 
-    accuracy, _ = token_class_accuracy(shifted, shifted_export, *answers)
+    accuracy, _ = token_class_accuracy(shifted.target(), settings, shifted_export, *answers)
     # Fed the layers an engine feeds (measured acc_0, correct vs off by one): fact-prompt
     # answers 0.623 vs 0.442, their fact tokens 0.324 vs 0.169, template answers 0.939 vs 0.649.
     assert accuracy["fact_prompt"].acc[0] <= correct["eval_acc_0_fact_prompt"] - 0.09

@@ -22,14 +22,15 @@ from eagle3_assets.drafter.data import (
     require_complete_shards,
     split_heldout,
 )
+from eagle3_assets.hidden_states.sample_file import read_header
 from eagle3_assets.storage import ArtifactStore
 
-from .test_drafter_common import random_rows, tiny_target, write_shard
+from .helpers import random_rows, tiny_llama, write_shard
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return tiny_target(tmp_path_factory.mktemp("target"))
+    return tiny_llama(tmp_path_factory.mktemp("target"))
 
 
 def test_refuses_to_start_listing_incomplete_shards(tmp_path, model):
@@ -68,7 +69,7 @@ def test_index_reads_headers_and_names_a_bad_file(tmp_path, model):
     with pytest.raises(DataError, match=r"rows_9-10/9.safetensors: input_ids is I64\[4\], expected I32\[T\]"):
         index_samples(store, ["rows_9-10"])
     store.write_bytes("hidden_states/rows_8-9/8.safetensors", st_save(bad, metadata={"format": "other/2"}))
-    with pytest.raises(DataError, match=r"rows_8-9/8.safetensors: format 'other/2', expected 'eagle3-hidden-states/1'"):
+    with pytest.raises(DataError, match=r"rows_8-9/8.safetensors: format 'other/2', expected one of \['eagle3-hidden-states/1', 'eagle3-hidden-states/2'\]"):
         index_samples(store, ["rows_8-9"])
 
 
@@ -110,7 +111,7 @@ def test_resume_from_a_position_gives_the_same_batches(tmp_path, model):
 def test_batch_contents_are_padded_rows(tmp_path, model):
     store = ArtifactStore(tmp_path)
     rows = random_rows(2, seed=4)
-    key = write_shard(store, model, rows, 0, dtype=torch.bfloat16)
+    key = write_shard(store, model, rows, 0, dtype="bfloat16")
     refs, fmt = index_samples(store, [key])
     assert fmt.storage_dtype == "bfloat16"
     b = BatchLoader(store, refs, batch_tokens=1000, seed=0).load([1, 0])
@@ -160,3 +161,22 @@ def test_ranks_take_disjoint_equal_shares():
     seen = Counter(i for b in p0 + p1 for i in b)
     assert max(seen.values()) == 1
     assert json.dumps(p0) != json.dumps(p1)
+
+
+def test_the_test_shards_are_written_by_the_pipelines_own_writer_in_the_contract_format(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    key = write_shard(store, model, random_rows(1, min_len=10, max_len=10), 0)
+    with store.open(f"hidden_states/{key}/0.safetensors") as f:
+        header, problem = read_header(f)
+    assert problem is None
+    meta = header.pop("__metadata__")
+    assert {k: (v["dtype"], v["shape"]) for k, v in header.items()} == {
+        "input_ids": ("I32", [10]),
+        "loss_mask": ("U8", [10]),
+        "aux_hidden_states": ("F32", [10, 192]),
+        "last_hidden_state": ("F32", [10, 64]),
+    }
+    assert meta["format"] == "eagle3-hidden-states/2"
+    assert json.loads(meta["aux_layer_ids"]) == [1, 2, 3]
+    assert meta["last_hidden_state_norm"] == "pre_norm"
+    assert store.read_json(f"hidden_states/{key}/_SUCCESS.json") == {"rows": 1, "tokens": 10}

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_assets.drafter.export import expected_export_tensors
+from eagle3_assets.target import TargetModel
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, KVCache, rms_norm, rotary_cos_sin, ttt_attention_mask
 
 CFG = DrafterConfig(
@@ -185,15 +186,16 @@ def test_sdpa_mask_rows_match_explicit_softmax():
 
 def test_config_from_target_config_and_bad_shapes():
     target = {
+        "num_hidden_layers": 61,
         "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
         "vocab_size": 163840, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
         "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
     }
-    cfg = DrafterConfig.from_target_config({"text_config": target}, draft_vocab_size=32000)
+    cfg = DrafterConfig.from_target(TargetModel.from_config({"text_config": target}, path="kimi"), draft_vocab_size=32000)
     assert (cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings) == (112, 50000.0, 262144)
     assert (cfg.intermediate_size, cfg.num_key_value_heads) == (18432, 64)
     with pytest.raises(ValueError, match="head_dim 16 < 32"):
-        DrafterConfig.from_target_config({**target, "head_dim": 16}, draft_vocab_size=32000)
+        DrafterConfig.from_target(TargetModel.from_config({**target, "head_dim": 16}, path="x"), draft_vocab_size=32000)
     with pytest.raises(ValueError, match=r"vocab map shapes d2t \[10\]"):
         Eagle3Drafter(CFG, torch.zeros(10, dtype=torch.int64), torch.zeros(256, dtype=torch.bool))
     assert KVCache().__len__() == 0

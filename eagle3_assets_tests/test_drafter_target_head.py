@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from eagle3_assets.drafter.data import BatchLoader, index_samples
+from eagle3_assets.target import TargetModelError
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeightsError, load_target_weights
 from eagle3_assets.storage import ArtifactStore
 
-from .test_drafter_common import random_rows, tiny_target, write_shard
+from .helpers import random_rows, target_of, tiny_llama, write_shard
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     d = tmp_path_factory.mktemp("target")
-    return d, tiny_target(d)
+    return d, tiny_llama(d)
 
 
 def hf_logits(model, ids):
@@ -34,7 +35,7 @@ def test_logits_from_stored_states_equal_hf_logits(tmp_path, target, norm):
     samples, _ = index_samples(store, [key])
     batch = BatchLoader(store, samples, batch_tokens=1000, seed=0).load([0, 1, 2])
     assert batch.pre_norm.tolist() == [norm == "pre_norm"] * 3
-    head = TargetHead.from_weights(load_target_weights(target_dir))
+    head = TargetHead.from_weights(load_target_weights(target_of(target_dir)))
     logits = head.logits(batch.last, batch.pre_norm)
     for i, (ids, _) in enumerate(rows):
         torch.testing.assert_close(logits[i, : len(ids)], hf_logits(model, ids), rtol=1e-5, atol=1e-5)
@@ -50,7 +51,7 @@ def test_targets_restrict_to_the_draft_vocab(target):
         out = model(torch.tensor([ids]), output_hidden_states=True)
     t2d = torch.zeros(256, dtype=torch.bool)
     t2d[::2] = True
-    head = TargetHead.from_weights(load_target_weights(target_dir))
+    head = TargetHead.from_weights(load_target_weights(target_of(target_dir)))
     tg = head.targets(out.hidden_states[-1], False, t2d, chunk_tokens=5)
     full = out.logits[0]
     torch.testing.assert_close(tg.probs[0], torch.softmax(full[:, ::2], -1), rtol=1e-5, atol=1e-6)
@@ -59,20 +60,20 @@ def test_targets_restrict_to_the_draft_vocab(target):
 
 
 def test_tied_and_sharded_targets_load(tmp_path):
-    tied = tiny_target(tmp_path / "tied", tie=True)
-    w = load_target_weights(tmp_path / "tied")
+    tied = tiny_llama(tmp_path / "tied", tie=True)
+    w = load_target_weights(target_of(tmp_path / "tied"))
     assert torch.equal(w.lm_head, tied.model.embed_tokens.weight.detach())
-    model = tiny_target(tmp_path / "one", seed=1)
+    model = tiny_llama(tmp_path / "one", seed=1)
     model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
-    w = load_target_weights(tmp_path / "sharded")
+    w = load_target_weights(target_of(tmp_path / "sharded"))
     assert torch.equal(w.lm_head, model.lm_head.weight.detach())
     assert torch.equal(w.final_norm, model.model.norm.weight.detach())
     assert w.rms_norm_eps == 1e-5
 
 
 def test_missing_head_is_named(tmp_path):
-    tiny_target(tmp_path / "t")
+    tiny_llama(tmp_path / "t")
     index = tmp_path / "t" / "model.safetensors.index.json"
     from safetensors import safe_open
 
@@ -80,6 +81,6 @@ def test_missing_head_is_named(tmp_path):
         names = [n for n in f.keys() if n != "lm_head.weight"]
     index.write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
     with pytest.raises(TargetWeightsError, match=r"lm_head \(tie_word_embeddings is false\) not found .*'lm_head.weight'"):
-        load_target_weights(tmp_path / "t")
-    with pytest.raises(TargetWeightsError, match="config not found"):
-        load_target_weights(tmp_path / "nowhere")
+        load_target_weights(target_of(tmp_path / "t"))
+    with pytest.raises(TargetModelError, match="is not a readable directory"):
+        load_target_weights(target_of(tmp_path / "nowhere"))

@@ -14,14 +14,16 @@ from eagle3_assets.drafter.evaluate import EvalReport
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import TOKEN_CLASSES, ClassAccuracy, LabeledRow, class_accuracy, label_rows
 from eagle3_assets.drafter.train import evaluate
-from eagle3_assets.hidden_states.extractor import ExtractionRequest, extract_in_order
+from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.prompts import Prompt
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target_model import load_tokenizer
+from eagle3_assets.target import load_tokenizer
 
-from .test_drafter_common import random_rows, tiny_target, write_shard
+from .helpers import random_rows, target_of, tiny_llama, write_shard
 from .test_drafter_model import make_model
+
+pytestmark = pytest.mark.slow  # extracts and scores a drafter
 
 
 def _prompt(pid: str, conversation, *, reference: bool = True) -> Prompt:
@@ -61,14 +63,14 @@ def test_answers_are_labelled_fact_template_or_off_reference(tiny_target_dir):
 def scored(tmp_path_factory):
     """A tiny target, 12 rows as a shard and as extracted samples, a drafter over its vocab."""
     root = tmp_path_factory.mktemp("token-accuracy")
-    target = tiny_target(root / "target")
+    target = tiny_llama(root / "target")
     rows = random_rows(12, seed=4, min_len=10, max_len=20)
     store = ArtifactStore(root / "store")
     key = write_shard(store, target, rows, 0)
-    extractor = HFExtractor(root / "target", aux_layer_ids=[1, 2, 3], batch_tokens=64, device="cpu")
+    extractor = HFExtractor(target_of(root / "target"), batch_tokens=64, device="cpu")
     requests = [ExtractionRequest(i, np.asarray(ids, dtype=np.int32)) for i, (ids, _) in enumerate(rows)]
     samples = extract_in_order(extractor, requests)
-    weights = load_target_weights(root / "target")
+    weights = load_target_weights(target_of(root / "target"))
     return rows, store, key, samples, TargetHead.from_weights(weights)
 
 

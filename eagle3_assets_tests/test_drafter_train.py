@@ -23,7 +23,9 @@ from eagle3_assets.drafter.train import TrainingError, train_drafter
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
-from .test_drafter_common import greedy_vocab_map, random_rows, tiny_target, write_shard
+from .helpers import greedy_vocab_map, random_rows, target_of, tiny_llama, write_shard
+
+pytestmark = pytest.mark.slow  # trains drafters
 
 SETTINGS = TrainingSettings(
     ttt_steps=3, lr=3e-3, warmup_steps=2, epochs=2.0, batch_tokens=96, checkpoint_every=2, heldout_rows=4, seed=0
@@ -34,12 +36,11 @@ SETTINGS = TrainingSettings(
 def data(tmp_path_factory):
     """A target and two complete shards of 16 rows, written once; tests copy the store."""
     root = tmp_path_factory.mktemp("train-data")
-    model = tiny_target(root / "target")
+    model = tiny_llama(root / "target")
     store = ArtifactStore(root / "store")
     rows = random_rows(32, seed=0, min_len=8, max_len=16)
     keys = [write_shard(store, model, rows[:16], 0), write_shard(store, model, rows[16:], 16)]
-    d2t, t2d = greedy_vocab_map(model, rows)
-    return root, keys, d2t, t2d
+    return root, keys, greedy_vocab_map(model, rows)
 
 
 def copy_store(data, dest: Path) -> ArtifactStore:
@@ -49,10 +50,10 @@ def copy_store(data, dest: Path) -> ArtifactStore:
 
 
 def run(store, data, settings=SETTINGS, **kw):
-    root, keys, d2t, t2d = data
+    root, keys, vmap = data
     curve: dict[int, float] = {}
     result = train_drafter(
-        store, keys, d2t=d2t, t2d=t2d, target_dir=root / "target", settings=settings,
+        store, keys, vmap=vmap, target=target_of(root / "target"), settings=settings,
         on_metrics=lambda step, m: curve.setdefault(step, m["loss"]) if "loss" in m else None,
         log=lambda _: None, **kw,
     )
@@ -66,6 +67,8 @@ TRAIN_RUN = textwrap.dedent(
     from eagle3_assets.drafter.train import train_drafter
     from eagle3_assets.settings import TrainingSettings
     from eagle3_assets.storage import ArtifactStore
+    from eagle3_assets.target import TargetModel
+    from eagle3_assets.vocab_map import VocabMap
 
     args = json.loads(sys.argv[1])
     torch.set_num_threads(args["threads"])
@@ -78,8 +81,9 @@ TRAIN_RUN = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
 
     r = train_drafter(
-        ArtifactStore(args["store"]), args["keys"], d2t=np.array(args["d2t"]), t2d=np.array(args["t2d"]),
-        target_dir=args["target"], settings=TrainingSettings(**args["settings"]), on_metrics=on_metrics,
+        ArtifactStore(args["store"]), args["keys"], vmap=VocabMap(np.array(args["d2t"]), np.array(args["t2d"])),
+        target=TargetModel.read(args["target"], aux_layer_ids=[1, 2, 3]), settings=TrainingSettings(**args["settings"]),
+        on_metrics=on_metrics,
     )
     json.dump({"step": r.step, "total": r.total_steps, "resumed_from": r.resumed_from, "heldout": r.heldout},
               open(args["result"], "w"))
@@ -93,13 +97,13 @@ def train_in_subprocess(tmp_path: Path, data, store_dir: Path, name: str, kill_a
     Every run the test compares is made this way, so they all compute with the same
     kernels and thread pools: floats from different process kinds differ in the last bits.
     """
-    root, keys, d2t, t2d = data
+    root, keys, vmap = data
     script = tmp_path / "train_run.py"
     script.write_text(TRAIN_RUN)
     curve, result = tmp_path / f"{name}.curve.jsonl", tmp_path / f"{name}.result.json"
     args = {
         "threads": 2, "curve": str(curve), "result": str(result), "kill_at": kill_at,
-        "store": str(store_dir), "keys": keys, "d2t": d2t.tolist(), "t2d": t2d.tolist(),
+        "store": str(store_dir), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
         "target": str(root / "target"), "settings": SETTINGS.model_dump(),
     }  # fmt: skip
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, timeout=600)
@@ -148,7 +152,7 @@ def test_killed_run_resumes_with_the_same_step_counter_and_loss_curve(tmp_path, 
 
 
 def test_time_slices_on_a_memory_store_and_checkpoint_contents(data):
-    root, keys, d2t, t2d = data
+    root, keys, vmap = data
     store = ArtifactStore(f"memory://drafter-train-{uuid.uuid4().hex}")
     for key in keys:
         for name in ArtifactStore(root / "store").listdir(f"hidden_states/{key}"):
@@ -193,20 +197,20 @@ def test_changed_settings_refuse_to_resume_and_missing_shards_refuse_to_start(tm
 def test_drafter_learns_a_peaked_target(tmp_path):
     """On a target with confident predictions the drafter fits its training rows (a tiny set of
     random rows does not generalise to held-out rows; the vLLM test serves what it learned)."""
-    model = tiny_target(tmp_path / "target", seed=3)
+    model = tiny_llama(tmp_path / "target", seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(25.0)  # confident: one clear top-1 at most positions
     model.save_pretrained(tmp_path / "target")
     store = ArtifactStore(tmp_path / "store")
     rows = random_rows(48, seed=1, min_len=10, max_len=20)
     keys = [write_shard(store, model, rows, 0)]
-    d2t, t2d = greedy_vocab_map(model, rows)
+    vmap = greedy_vocab_map(model, rows)
     settings = TrainingSettings(
         ttt_steps=2, lr=1e-2, warmup_steps=5, epochs=25.0, batch_tokens=256, checkpoint_every=1000, heldout_rows=8
     )
     curve: dict[int, dict[str, float]] = {}
     result = train_drafter(
-        store, keys, d2t=d2t, t2d=t2d, target_dir=tmp_path / "target", settings=settings,
+        store, keys, vmap=vmap, target=target_of(tmp_path / "target"), settings=settings,
         on_metrics=curve.__setitem__, log=lambda _: None,
     )
     assert result.step == 75
@@ -224,12 +228,15 @@ TWO_RANK_RUN = textwrap.dedent(
     from eagle3_assets.drafter.train import train_drafter
     from eagle3_assets.settings import TrainingSettings
     from eagle3_assets.storage import ArtifactStore
+    from eagle3_assets.target import TargetModel
+    from eagle3_assets.vocab_map import VocabMap
 
     args = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
     r = train_drafter(
-        ArtifactStore(args["store"]), args["keys"], d2t=np.array(args["d2t"]), t2d=np.array(args["t2d"]),
-        target_dir=args["target"], settings=TrainingSettings(**args["settings"]), log=lambda _: None,
+        ArtifactStore(args["store"]), args["keys"], vmap=VocabMap(np.array(args["d2t"]), np.array(args["t2d"])),
+        target=TargetModel.read(args["target"], aux_layer_ids=[1, 2, 3]), settings=TrainingSettings(**args["settings"]),
+        log=lambda _: None,
     )
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in r.model.trainable_state_dict().values())).hexdigest()
     out = {"step": r.step, "total": r.total_steps, "digest": digest, "heldout": r.heldout}
@@ -241,11 +248,11 @@ TWO_RANK_RUN = textwrap.dedent(
 @pytest.mark.slow
 def test_two_rank_data_parallel_run(tmp_path, data):
     """torchrun with 2 CPU ranks (gloo): ranks stay in sync, only rank 0 writes."""
-    root, keys, d2t, t2d = data
+    root, keys, vmap = data
     copy_store(data, tmp_path / "store")
     (tmp_path / "run.py").write_text(TWO_RANK_RUN)
     (tmp_path / "args.json").write_text(json.dumps({
-        "store": str(tmp_path / "store"), "keys": keys, "d2t": d2t.tolist(), "t2d": t2d.tolist(),
+        "store": str(tmp_path / "store"), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
         "target": str(root / "target"), "settings": SETTINGS.model_dump(), "out": str(tmp_path),
     }))
     proc = subprocess.run(

@@ -23,7 +23,7 @@ from eagle3_assets.drafter.vllm_eval import generate_in_subprocess
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
-from .test_drafter_common import greedy_vocab_map, tiny_target, write_shard
+from .helpers import greedy_vocab_map, target_of, tiny_llama, write_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -55,7 +55,7 @@ def replay_rounds(model: Eagle3Drafter, store: ArtifactStore, keys: list[str]) -
 def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(tmp_path):
     pytest.importorskip("vllm")
     target_dir = tmp_path / "target"
-    model = tiny_target(target_dir, seed=3, tokenizer=True)
+    model = tiny_llama(target_dir, seed=3, tokenizer=True)
     with torch.no_grad():
         model.lm_head.weight.mul_(25.0)  # confident predictions: greedy has clear margins
     model.save_pretrained(target_dir)
@@ -71,11 +71,11 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(tmp_path
     rows = [(g, [0] * PROMPT_LEN + [1] * new) for g in generated]
     store = ArtifactStore(tmp_path / "store")
     keys = [write_shard(store, model, rows[:12], 0), write_shard(store, model, rows[12:], 12)]
-    d2t, t2d = greedy_vocab_map(model, rows, draft=128)
+    vmap = greedy_vocab_map(model, rows, draft=128)
     settings = TrainingSettings(
         ttt_steps=K, lr=1e-2, warmup_steps=5, epochs=40.0, batch_tokens=256, checkpoint_every=1000, heldout_rows=0
     )
-    result = train_drafter(store, keys, d2t=d2t, t2d=t2d, target_dir=target_dir, settings=settings, log=lambda _: None)
+    result = train_drafter(store, keys, vmap=vmap, target=target_of(target_dir), settings=settings, log=lambda _: None)
     tensors = result.model.trainable_state_dict()
     export_drafter(store, tensors, result.config, aux_layer_ids=result.aux_layer_ids, dtype="float32")
     export_dir = tmp_path / "store" / "drafter" / "export"

@@ -29,25 +29,19 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_assets.hidden_states import (
-    FORMAT,
+from eagle3_assets.hidden_states import ExtractionRequest, ExtractorConfigError, extract_in_order, open_extractor
+from eagle3_assets.hidden_states.hf_extractor import HFExtractor, plan_batches
+from eagle3_assets.hidden_states.integrity import check_shard, check_shards
+from eagle3_assets.hidden_states.sample_file import FORMAT, SampleSpec, manifest_path, sample_path, shard_dir
+from eagle3_assets.hidden_states.shard import (
     ExtractionProgress,
-    ExtractionRequest,
-    ExtractorConfigError,
     InsufficientSpaceError,
     RowTooLongError,
     ShardExtractionError,
     StoreNotWritableError,
-    check_shard,
-    check_shards,
-    extract_in_order,
     extract_shard,
-    open_extractor,
-    manifest_path,
-    sample_path,
-    shard_dir,
 )
-from eagle3_assets.hidden_states.hf_extractor import HFExtractor, plan_batches
+from eagle3_assets.target import TargetModel, TargetModelError
 from eagle3_assets.settings import ExtractionSettings, Settings
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import TMP_MARK, ArtifactStore
@@ -81,7 +75,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def extractor(model_dir: Path) -> Iterator[HFExtractor]:
-    ex = HFExtractor(model_dir, aux_layer_ids=AUX, batch_tokens=64, device="cpu")
+    ex = HFExtractor(TargetModel.read(model_dir, aux_layer_ids=AUX), batch_tokens=64, device="cpu")
     yield ex
     ex.close()
 
@@ -110,7 +104,7 @@ def sample_names(shard: Shard) -> set[str]:
 
 def all_names_on_disk(store: ArtifactStore, shard: Shard) -> list[str]:
     """Every name in the shard directory, temporaries included (listdir hides them)."""
-    return sorted(os.listdir(store.local_path(shard_dir(shard))))
+    return sorted(os.listdir(store.local_path(shard_dir(shard.key))))
 
 
 def check(store: ArtifactStore, tok: TokenizedSet, shard: Shard, **kw):
@@ -132,7 +126,7 @@ def test_batched_extraction_equals_batch_one_and_hf_hidden_states(model_dir: Pat
     requests = [ExtractionRequest(row=r, input_ids=tok.row(r)[0]) for r in range(tok.num_rows)]
     assert any(len(b) > 1 for b in plan_batches(LENGTHS, extractor.batch_tokens))  # really batched
     batched = extract_in_order(extractor, requests)
-    one_by_one = HFExtractor(model_dir, aux_layer_ids=AUX, batch_tokens=1, device="cpu")
+    one_by_one = HFExtractor(TargetModel.read(model_dir, aux_layer_ids=AUX), batch_tokens=1, device="cpu")
     single = extract_in_order(one_by_one, requests)
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -151,28 +145,31 @@ def test_batched_extraction_equals_batch_one_and_hf_hidden_states(model_dir: Pat
             post_norm = model.model.norm(last_layer_out["h"])[0]
         # aux = "input of layer i" = HF hidden_states[i], concatenated in ascending id order
         torch.testing.assert_close(s.aux_hidden_states, torch.cat([hs[i][0] for i in AUX], -1), atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(s.last_hidden_state, post_norm, atol=1e-6, rtol=1e-6)
-        assert not torch.allclose(s.last_hidden_state, last_layer_out["h"][0], atol=1e-3)  # not pre-norm
-    assert extractor.last_hidden_state_norm == "post_norm"
+        # last = the last layer's output where it enters the final norm (pre-norm), as vLLM extracts it
+        torch.testing.assert_close(s.last_hidden_state, last_layer_out["h"][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(model.model.norm(s.last_hidden_state), post_norm, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(s.last_hidden_state, post_norm, atol=1e-3)  # not post-norm
+    assert extractor.last_hidden_state_norm == "pre_norm"
     assert (extractor.hidden_size, extractor.num_layers, extractor.max_context) == (H, 4, CONTEXT)
 
 
-def test_extractor_rejects_aux_ids_outside_the_model(model_dir: Path):
-    with pytest.raises(ExtractorConfigError) as e:
-        HFExtractor(model_dir, aux_layer_ids=[1, 2, 4], batch_tokens=8, device="cpu")
+def test_aux_ids_outside_the_model_are_refused_naming_the_setting(model_dir: Path):
+    with pytest.raises(TargetModelError) as e:
+        TargetModel.read(model_dir, aux_layer_ids=[1, 2, 4])
     assert str(e.value) == (
-        "aux_layer_ids: [4] outside the model, which has 4 layers (valid 'input of layer i' ids: 1..3)"
+        "aux_layer_ids: layer id(s) [4] outside the model, which has 4 layers (valid 'input of layer i' ids: 1..3)"
     )
-    with pytest.raises(ExtractorConfigError, match=r"aux_layer_ids: \[2, 2, 3\] has a repeated layer id"):
-        HFExtractor(model_dir, aux_layer_ids=[2, 2, 3], batch_tokens=8, device="cpu")
+    with pytest.raises(TargetModelError, match=r"aux_layer_ids: \[2, 2, 3\] appear twice"):
+        TargetModel.read(model_dir, aux_layer_ids=[2, 2, 3])
 
 
 def test_open_extractor_follows_the_settings(model_dir: Path):
-    ex = open_extractor(Settings(aux_layer_ids=[3, 1, 2], extraction=settings(batch_tokens=99)), model_dir, device="cpu")
+    settings_ = Settings(aux_layer_ids=[3, 1, 2], extraction=settings(batch_tokens=99))
+    ex = open_extractor(settings_, TargetModel.read(model_dir, aux_layer_ids=settings_.aux_layer_ids), device="cpu")
     assert (ex.backend, ex.aux_layer_ids, ex.batch_tokens) == ("hf", (1, 2, 3), 99)
-    with pytest.raises(ExtractorConfigError) as e:
-        open_extractor(Settings(), model_dir, device="cpu")  # default [2, N//2, N-3] = [2, 2, 1] for 4 layers
-    assert str(e.value) == "aux_layer_ids: default ids [2, 2, 1] collide for a 4-layer model; set them explicitly"
+    with pytest.raises(ExtractorConfigError, match=r"extraction.backend: 'tpu' is not one of 'hf', 'vllm'"):
+        open_extractor(settings_.model_copy(update={"extraction": settings_.extraction.model_copy(update={"backend": "tpu"})}),
+                       TargetModel.read(model_dir, aux_layer_ids=[1, 2, 3]))  # fmt: skip
 
 
 # -- the per-sample file ----------------------------------------------------------
@@ -185,21 +182,21 @@ def test_sample_file_has_exactly_the_spec(where: str, tmp_path: Path, extractor:
     shard = Shard(4, 8)
     result = extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME)
     assert (result.rows_total, result.rows_computed, result.rows_skipped) == (4, 4, 0)
-    assert store.listdir(shard_dir(shard)) == sorted(sample_names(shard) | {"_SUCCESS.json"})
-    assert sample_path(shard, 6) == "hidden_states/rows_4-8/6.safetensors"
+    assert store.listdir(shard_dir(shard.key)) == sorted(sample_names(shard) | {"_SUCCESS.json"})
+    assert sample_path(shard.key, 6) == "hidden_states/rows_4-8/6.safetensors"
 
     requests = [ExtractionRequest(r, tok.row(r)[0]) for r in shard.rows]
     expected = {s.row: s for s in extract_in_order(extractor, requests)}
     for row in shard.rows:
         T = tok.row_length(row)
         local = tmp_path / "copy.safetensors"
-        local.write_bytes(store.read_bytes(sample_path(shard, row)))
+        local.write_bytes(store.read_bytes(sample_path(shard.key, row)))
         with safe_open(str(local), framework="pt") as f:  # how the drafter's loader reads it
             assert sorted(f.keys()) == ["aux_hidden_states", "input_ids", "last_hidden_state", "loss_mask"]
             assert f.metadata() == {
-                "format": "eagle3-hidden-states/1",
+                "format": "eagle3-hidden-states/2",
                 "aux_layer_ids": "[1, 2, 3]",
-                "last_hidden_state_norm": "post_norm",
+                "last_hidden_state_norm": "pre_norm",
                 "model": MODEL_NAME,
                 "dtype": "bfloat16",
                 "hidden_size": "64",
@@ -216,7 +213,7 @@ def test_sample_file_has_exactly_the_spec(where: str, tmp_path: Path, extractor:
         assert torch.equal(t["aux_hidden_states"], expected[row].aux_hidden_states.to(torch.bfloat16))
         assert torch.equal(t["last_hidden_state"], expected[row].last_hidden_state.to(torch.bfloat16))
 
-    manifest = store.read_json(manifest_path(shard))
+    manifest = store.read_json(manifest_path(shard.key))
     assert {k: manifest[k] for k in manifest if k not in ("created", "seconds")} == {
         "format": FORMAT,
         "shard": "rows_4-8",
@@ -224,24 +221,24 @@ def test_sample_file_has_exactly_the_spec(where: str, tmp_path: Path, extractor:
         "row_end": 8,
         "rows": 4,
         "tokens": 9 + 12 + 1 + 25,
-        "bytes": sum(store.size(sample_path(shard, r)) for r in shard.rows),
+        "bytes": sum(store.size(sample_path(shard.key, r)) for r in shard.rows),
         "aux_layer_ids": AUX,
         "hidden_size": H,
         "dtype": "bfloat16",
-        "last_hidden_state_norm": "post_norm",
+        "last_hidden_state_norm": "pre_norm",
         "model": MODEL_NAME,
         "backend": "hf",
         "rows_computed": 4,
         "rows_skipped": 0,
     }
-    report = check(store, tok, shard, model=MODEL_NAME, last_hidden_state_norm="post_norm")
+    report = check(store, tok, shard, model=MODEL_NAME, last_hidden_state_norm="pre_norm")
     assert report.ok, report.summary()
     assert (report.rows_checked, report.rows_ok, report.tokens, report.bytes) == (4, 4, 47, manifest["bytes"])
 
     # Nothing left to do: nothing recomputed, the manifest of the run that made the files is kept.
     again = extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME)
     assert (again.rows_computed, again.rows_skipped, again.bytes_written) == (0, 4, 0)
-    assert store.read_json(manifest_path(shard)) == manifest
+    assert store.read_json(manifest_path(shard.key)) == manifest
 
 
 def test_float32_storage_roundtrips_exact_values(tmp_path: Path, extractor: HFExtractor):
@@ -249,7 +246,7 @@ def test_float32_storage_roundtrips_exact_values(tmp_path: Path, extractor: HFEx
     tok = make_tokenized(LENGTHS)
     shard = Shard(0, 3)
     extract_shard(store, tok, shard, extractor, settings(storage_dtype="float32"), model_name=MODEL_NAME)
-    t = st_load(store.read_bytes(sample_path(shard, 1)))
+    t = st_load(store.read_bytes(sample_path(shard.key, 1)))
     want = extract_in_order(extractor, [ExtractionRequest(1, tok.row(1)[0])])[0]
     assert t["aux_hidden_states"].dtype == torch.float32
     torch.testing.assert_close(t["aux_hidden_states"], want.aux_hidden_states, atol=1e-5, rtol=1e-5)
@@ -276,8 +273,8 @@ class TickingExtractor:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
-    def extract(self, requests):
-        for sample in self._inner.extract(requests):
+    def extract(self, requests, spec=None):
+        for sample in self._inner.extract(requests, spec):
             self._clock.t += 1.0
             yield sample
 
@@ -302,7 +299,7 @@ def test_progress_reported_at_the_interval_and_at_the_end(tmp_path: Path, extrac
     assert [(p.samples_done, p.seconds, p.final) for p in seen] == [(3, 3.0, False), (6, 6.0, False), (7, 7.0, True)]
     first = seen[0]
     done_rows = [3, 1, 5]  # longest first: 30, 17, 12 tokens
-    done_bytes = sum(store.size(sample_path(shard, r)) for r in done_rows)
+    done_bytes = sum(store.size(sample_path(shard.key, r)) for r in done_rows)
     assert first.samples_per_s == 1.0
     assert first.tokens_done == 59 and first.tokens_per_s == 59 / 3
     assert first.bytes_written == done_bytes
@@ -312,7 +309,7 @@ def test_progress_reported_at_the_interval_and_at_the_end(tmp_path: Path, extrac
     assert first.projected_bytes_all_shards == round(tok.num_tokens * done_bytes / 59)
     assert first.free_bytes == 10**12
     last = seen[-1]
-    all_bytes = sum(store.size(sample_path(shard, r)) for r in shard.rows)
+    all_bytes = sum(store.size(sample_path(shard.key, r)) for r in shard.rows)
     assert (last.samples_done, last.samples_total, last.tokens_done, last.eta_s) == (7, 7, 77, 0.0)
     assert last.bytes_written == all_bytes
     assert last.as_metadata() == {
@@ -341,25 +338,26 @@ CRASH_SCRIPT = """
 import sys, time
 import torch
 torch.set_num_threads(1)
-from eagle3_assets.hidden_states import extract_shard
+from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.settings import ExtractionSettings, Settings
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
 from eagle3_assets.tokenized import TokenizedSet
 
 
 class SlowExtractor(HFExtractor):
     # slowed so the test can kill it mid-shard
-    def extract(self, requests):
-        for sample in super().extract(requests):
+    def extract(self, requests, spec=None):
+        for sample in super().extract(requests, spec):
             time.sleep(0.05)
             yield sample
 
 
 root, model_dir, start, end = sys.argv[1:]
 store = ArtifactStore(root)
-extractor = SlowExtractor(model_dir, aux_layer_ids=[1, 2, 3], batch_tokens=1, device="cpu")
+extractor = SlowExtractor(TargetModel.read(model_dir, aux_layer_ids=[1, 2, 3]), batch_tokens=1, device="cpu")
 extract_shard(store, TokenizedSet.load(store), Shard(int(start), int(end)), extractor,
               ExtractionSettings(batch_tokens=1), model_name="tiny-llama")
 """
@@ -383,7 +381,7 @@ def test_killed_extraction_resumes_without_recomputing_finished_rows(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    shard_path = tmp_path / "store" / shard_dir(shard)
+    shard_path = tmp_path / "store" / shard_dir(shard.key)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
@@ -396,7 +394,7 @@ def test_killed_extraction_resumes_without_recomputing_finished_rows(
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert not store.exists(manifest_path(shard))
+    assert not store.exists(manifest_path(shard.key))
 
     # What a writer killed mid-write leaves behind (a kill may or may not have hit one).
     (shard_path / f".12.safetensors{TMP_MARK}deadbeef0000").write_bytes(b"\0" * 100)
@@ -415,7 +413,7 @@ def test_killed_extraction_resumes_without_recomputing_finished_rows(
     assert result.temporaries_removed >= 1
     assert all_names_on_disk(store, shard) == sorted(sample_names(shard) | {"_SUCCESS.json"})
     for row, data in valid_after_kill.items():  # finished rows were kept, not redone
-        assert store.read_bytes(sample_path(shard, row)) == data
+        assert store.read_bytes(sample_path(shard.key, row)) == data
     assert check(store, tok, shard, model=MODEL_NAME).ok
 
 
@@ -439,10 +437,10 @@ def test_check_names_corrupt_files_and_rerun_repairs_exactly_those(where: str, t
     extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME)
     assert check(store, tok, shard).ok
 
-    truncated_from = store.read_bytes(sample_path(shard, 1))
-    store.write_bytes(sample_path(shard, 1), truncated_from[:-100])
-    rewrite_tensor(store, sample_path(shard, 3), "last_hidden_state", lambda t: t.view(-1)[:12].fill_(float("nan")))
-    rewrite_tensor(store, sample_path(shard, 4), "aux_hidden_states", lambda t: t.zero_())
+    truncated_from = store.read_bytes(sample_path(shard.key, 1))
+    store.write_bytes(sample_path(shard.key, 1), truncated_from[:-100])
+    rewrite_tensor(store, sample_path(shard.key, 3), "last_hidden_state", lambda t: t.view(-1)[:12].fill_(float("nan")))
+    rewrite_tensor(store, sample_path(shard.key, 4), "aux_hidden_states", lambda t: t.zero_())
 
     truncation = f"truncated ({len(truncated_from) - 100} bytes, header describes {len(truncated_from)})"
     report = check(store, tok, shard)
@@ -463,7 +461,7 @@ def test_check_names_corrupt_files_and_rerun_repairs_exactly_those(where: str, t
         extractor,
         settings(progress_interval_s=1e-9),
         model_name=MODEL_NAME,
-        on_progress=lambda p: manifest_seen_during_rerun.append((p.final, store.exists(manifest_path(shard)))),
+        on_progress=lambda p: manifest_seen_during_rerun.append((p.final, store.exists(manifest_path(shard.key)))),
     )
     assert (result.rows_computed, result.rows_skipped) == (3, 3)
     assert result.repaired == {
@@ -473,7 +471,7 @@ def test_check_names_corrupt_files_and_rerun_repairs_exactly_those(where: str, t
     }
     assert manifest_seen_during_rerun[0] == (False, False)  # the stale _SUCCESS.json went first
     assert check(store, tok, shard).ok
-    repaired, original = st_load(store.read_bytes(sample_path(shard, 1))), st_load(truncated_from)
+    repaired, original = st_load(store.read_bytes(sample_path(shard.key, 1))), st_load(truncated_from)
     for name in original:  # same values (batched differently this time: bf16 rounding may differ by an ulp)
         torch.testing.assert_close(repaired[name].float(), original[name].float(), atol=2e-2, rtol=1e-2)
 
@@ -500,8 +498,8 @@ def test_check_reports_missing_rows_manifest_and_strays(tmp_path: Path, extracto
     shards = plan_shards(tok.num_rows, 5)  # rows_0-5, rows_5-10, rows_10-12
     for s in shards[:2]:
         extract_shard(store, tok, s, extractor, settings(), model_name=MODEL_NAME)
-    store.remove(sample_path(shards[1], 7))
-    store.write_bytes(f"{shard_dir(shards[1])}/99.safetensors", b"x")
+    store.remove(sample_path(shards[1].key, 7))
+    store.write_bytes(f"{shard_dir(shards[1].key)}/99.safetensors", b"x")
     reports = check_shards(store, tok, shards, hidden_size=H, aux_layer_ids=AUX, dtype="bfloat16")
     assert [r.shard for r in reports] == ["rows_0-5", "rows_5-10", "rows_10-12"]
     assert reports[0].ok
@@ -534,8 +532,8 @@ def test_invalid_sample_from_the_backend_is_not_written(tmp_path: Path, extracto
         def __getattr__(self, name):
             return getattr(self._inner, name)
 
-        def extract(self, requests):
-            for s in self._inner.extract(requests):
+        def extract(self, requests, spec=None):
+            for s in self._inner.extract(requests, spec):
                 if s.row == 2:
                     s = dataclasses.replace(s, last_hidden_state=s.last_hidden_state.clone())
                     s.last_hidden_state[0, :5] = float("inf")
@@ -556,41 +554,51 @@ def test_invalid_sample_from_the_backend_is_not_written(tmp_path: Path, extracto
 # -- preflight ----------------------------------------------------------------------------------
 
 
-def test_disk_preflight_refuses_with_both_figures(tmp_path: Path, extractor: HFExtractor):
+def test_disk_preflight_refuses_with_both_figures_and_projects_what_is_written(tmp_path: Path, extractor: HFExtractor):
     store = ArtifactStore(tmp_path)
     tok = make_tokenized(LENGTHS)
     shard = Shard(0, 4)  # 5 + 17 + 3 + 30 = 55 tokens
-    projected = 55 * 4 * H * 2
+    spec = SampleSpec(H, tuple(AUX), "bfloat16", MODEL_NAME)
+    per_token, header = spec.bytes_per_token, spec.file_overhead(55 // 4)
+    assert per_token == 4 * H * 2 + 4 + 1  # hidden states, input id, loss mask
+    projected = 55 * per_token + 4 * header
     needed = projected + math.ceil(projected * Fraction(1, 20))
     with pytest.raises(InsufficientSpaceError) as e:
         extract_shard(store, tok, shard, extractor, settings(disk_margin=0.05), model_name=MODEL_NAME, free_bytes=1000)
     assert str(e.value) == (
         f"shard rows_0-4: not enough free space on {store.url_of('hidden_states/rows_0-4')}: "
-        f"needs 0.00 GB (29,568 bytes: 55 remaining tokens x 4 x hidden 64 x 2 bytes (bfloat16) = 28,160 bytes, "
-        f"plus 5% margin), free 0.00 GB (1,000 bytes)"
+        f"needs 0.00 GB ({needed:,} bytes: 55 remaining tokens x {per_token} bytes (4 x hidden 64 in bfloat16, ids, "
+        f"mask) + 4 files x {header} header bytes = {projected:,} bytes, plus 5% margin), free 0.00 GB (1,000 bytes)"
     )
-    assert needed == 29_568 and projected == 28_160
-    assert store.listdir(shard_dir(shard)) == []
+    assert store.listdir(shard_dir(shard.key)) == []
 
-    # Only what is left to compute counts: with 3 rows done, 30 tokens remain.
-    extract_shard(store, tok, Shard(0, 3), extractor, settings(), model_name=MODEL_NAME)
-    for r in range(3):
-        store.write_bytes(sample_path(shard, r), store.read_bytes(sample_path(Shard(0, 3), r)))
-    with pytest.raises(InsufficientSpaceError, match=r"needs 0\.00 GB \(16,128 bytes: 30 remaining tokens"):
-        extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME, free_bytes=16_127)
-    result = extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME, free_bytes=16_128)
+    # What the projection says is what lands on disk, headers included (within the few bytes a row
+    # number's digits change): with margin 0 a disk of exactly that size is enough.
+    result = extract_shard(store, tok, shard, extractor, settings(disk_margin=0.0), model_name=MODEL_NAME, free_bytes=projected)
+    written = sum(store.size(sample_path(shard.key, r)) for r in shard.rows)
+    assert result.bytes_written == written and abs(written - projected) <= 4 * 8, (written, projected)
+
+    # Only what is left to compute counts: with 3 rows valid, 30 tokens in 1 file remain.
+    store.remove(sample_path(shard.key, 3))
+    left = 30 * per_token + spec.file_overhead(30)
+    with pytest.raises(InsufficientSpaceError, match=rf"needs 0\.00 GB \({left:,} bytes: 30 remaining tokens"):
+        extract_shard(store, tok, shard, extractor, settings(disk_margin=0.0), model_name=MODEL_NAME, free_bytes=left - 1)
+    result = extract_shard(store, tok, shard, extractor, settings(disk_margin=0.0), model_name=MODEL_NAME, free_bytes=left)
     assert (result.rows_skipped, result.rows_computed) == (3, 1)
-    assert result.notes == ["disk preflight ok: needs 0.00 GB (16,128 bytes), free 0.00 GB (16,128 bytes)"]
+    assert result.notes == [f"disk preflight ok: needs 0.00 GB ({left:,} bytes), free 0.00 GB ({left:,} bytes)"]
 
 
 def test_disk_preflight_skipped_with_a_note_on_memory_store(extractor: HFExtractor):
     store = memory_store()
     tok = make_tokenized(LENGTHS)
     result = extract_shard(store, tok, Shard(0, 2), extractor, settings(), model_name=MODEL_NAME)
+    spec = SampleSpec(H, tuple(AUX), "bfloat16", MODEL_NAME)
+    projected = spec.projected_bytes(22, 2)
+    needed = projected + math.ceil(projected * Fraction(1, 20))
     assert result.notes == [
         f"disk preflight skipped: free space is unknown on {store.url_of('hidden_states/rows_0-2')} "
-        "(needs 0.00 GB (11,828 bytes: 22 remaining tokens x 4 x hidden 64 x 2 bytes (bfloat16) = 11,264 bytes, "
-        "plus 5% margin))"
+        f"(needs 0.00 GB ({needed:,} bytes: 22 remaining tokens x {spec.bytes_per_token} bytes (4 x hidden 64 in "
+        f"bfloat16, ids, mask) + 2 files x {spec.file_overhead(11)} header bytes = {projected:,} bytes, plus 5% margin))"
     ]
     assert check(store, tok, Shard(0, 2)).ok
 
@@ -641,14 +649,14 @@ def test_read_only_store_is_refused_and_nothing_written_is_lost(extractor: HFExt
         tok = make_tokenized(LENGTHS)
         shard = Shard(0, 4)
         extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME)
-        store.remove(sample_path(shard, 2))  # work to do on the rerun
-        before = {n: store.read_bytes(f"{shard_dir(shard)}/{n}") for n in store.listdir(shard_dir(shard))}
-        with read_only(base / "store" / shard_dir(shard)):
+        store.remove(sample_path(shard.key, 2))  # work to do on the rerun
+        before = {n: store.read_bytes(f"{shard_dir(shard.key)}/{n}") for n in store.listdir(shard_dir(shard.key))}
+        with read_only(base / "store" / shard_dir(shard.key)):
             with pytest.raises(StoreNotWritableError) as e:
                 extract_shard(store, tok, shard, extractor, settings(), model_name=MODEL_NAME)
         assert str(e.value).startswith(f"shard rows_0-4: cannot write to file://{base}/store/hidden_states/rows_0-4: ")
         assert "Permission denied" in str(e.value)
-        after = {n: store.read_bytes(f"{shard_dir(shard)}/{n}") for n in store.listdir(shard_dir(shard))}
+        after = {n: store.read_bytes(f"{shard_dir(shard.key)}/{n}") for n in store.listdir(shard_dir(shard.key))}
         assert after == before and "_SUCCESS.json" in after
         assert all_names_on_disk(store, shard) == sorted(before)  # no probe or temporary left
     finally:

@@ -21,6 +21,8 @@ from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VOCAB_MAP_FILE
 from eagle3_assets_tests.conftest import TINY_DEMO, tiny_settings
 
+pytestmark = pytest.mark.slow  # runs the data graph on a generating model
+
 DATA_ASSETS = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
 
 

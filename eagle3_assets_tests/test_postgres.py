@@ -252,7 +252,7 @@ def test_the_step_executor_config_is_valid_and_puts_gpus_where_they_belong():
 
     from eagle3_assets.defs.ops.k8s import load_executor_config
 
-    config = load_executor_config(K8S / "executor.yaml")
+    config = load_executor_config(K8S / "executor.yaml", definition_ops())
     checked = validate_config(k8s_job_executor.config_schema.config_type, config)
     assert checked.success, [e.message for e in checked.errors]
 
@@ -283,12 +283,11 @@ def test_the_step_executor_config_is_valid_and_puts_gpus_where_they_belong():
     assert shards["containers"][0]["volumeMounts"] == [{"name": "vllm-work", "mountPath": "/mnt/eagle3-vllm"}]
 
 
-def test_the_known_op_names_are_the_definitions_ops():
-    from eagle3_assets.defs.ops.k8s import KNOWN_OPS
-
+def definition_ops() -> set[str]:
+    """Every op the definitions run: the assets, their checks and the verify_shards op."""
     defs = build_definitions(Project(tiny_settings(), ArtifactStore("memory://eagle3-k8s-ops")))
     jobs = [defs.resolve_implicit_global_asset_job_def(), defs.resolve_job_def("verify_shards")]
-    assert sorted(KNOWN_OPS) == sorted({node.name for job in jobs for node in job.graph.node_defs})
+    return {node.name for job in jobs for node in job.graph.node_defs}
 
 
 def test_a_misspelt_step_or_field_in_the_executor_config_is_refused(tmp_path):
@@ -300,29 +299,34 @@ def test_a_misspelt_step_or_field_in_the_executor_config_is_refused(tmp_path):
     bad = tmp_path / "executor.yaml"
     bad.write_text("per_step_k8s_config:\n  hidden_state: {}\n")
     with pytest.raises(K8sConfigError, match=r"per_step_k8s_config names unknown ops \['hidden_state'\]"):
-        load_executor_config(bad)
+        load_executor_config(bad, definition_ops())
     with pytest.raises(Exception, match=r"Unexpected keys in model class V1PodSpec: \{'nodeSelectr'\}"):
         UserDefinedDagsterK8sConfig.from_dict({"pod_spec_config": {"nodeSelectr": {"a": "b"}}})
 
 
-def test_the_definitions_load_with_the_k8s_executor():
+def test_the_definitions_load_with_the_k8s_executor(monkeypatch):
     pytest.importorskip("dagster_k8s", reason="dagster-k8s==0.29.27 (extra `k8s`) provides the executor")
-    from dagster import Definitions
-
-    from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
     from eagle3_assets.settings import load_settings
 
-    assert k8s_executor_from_environment({}) is None
-    executor = k8s_executor_from_environment({"EAGLE3_K8S_EXECUTOR": str(K8S / "executor.yaml")})
     settings = load_settings({"EAGLE3_CONFIG": str(K8S / "eagle3.yaml")})
     project = Project(settings, ArtifactStore("memory://eagle3-k8s-test"))
-    defs = Definitions.merge(build_definitions(project), Definitions(executor=executor))
+    assert build_definitions(project).resolve_implicit_global_asset_job_def().executor_def.name == (
+        "multi_or_in_process_executor"
+    )
+    monkeypatch.setenv("EAGLE3_K8S_EXECUTOR", str(K8S / "executor.yaml"))
+    defs = build_definitions(project)
     job = defs.resolve_implicit_global_asset_job_def()
+    # The k8s executor, wrapped so that every run sweeps dead runs off the gpu pool first.
     assert job.executor_def.name == "eagle3_k8s_executor"
     assert sorted(k.to_user_string() for k in defs.resolve_all_asset_keys()) == sorted(
         ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map", "hidden_states", "drafter",
          "drafter_eval"]
     )  # fmt: skip
+    assert definition_ops() == {
+        "prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map", "hidden_states", "drafter",
+        "drafter_eval", "tokenized_reasoning_coverage", "vocab_map_vocab_map_invariant", "hidden_states_shard_integrity",
+        "verify_all_shards",
+    }  # fmt: skip
 
 
 def test_the_manifests_are_valid_kubernetes_objects():

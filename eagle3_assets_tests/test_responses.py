@@ -2,11 +2,16 @@ import json
 
 import pytest
 
+from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.generation.hf import HFGenerator
 from eagle3_assets.prompts import Prompt
-from eagle3_assets.responses import RESPONSES_FILE, ResponsesError, generate_responses, part_path, read_responses
+from eagle3_assets.reasoning import detect_format
+from eagle3_assets.responses import RESPONSES_FILE, Renderer, ResponsesError, generate_responses, part_path, read_responses
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
+
+pytestmark = pytest.mark.slow  # generates with a model
 
 SETTINGS = GenerationSettings(max_new_tokens=6, batch_size=4, rows_per_part=10, max_error_rate=0.5)
 
@@ -20,11 +25,22 @@ class Interrupt(Exception):
 
 
 @pytest.fixture(scope="module")
-def generator(tiny_target_dir):
-    return HFGenerator(tiny_target_dir, SETTINGS)
+def target(tiny_target_dir) -> TargetModel:
+    return TargetModel.read(tiny_target_dir, aux_layer_ids=[1, 2, 3])
 
 
-def test_interrupted_generation_resumes_and_every_row_is_present_once(tmp_path, generator):
+@pytest.fixture(scope="module")
+def generator(target):
+    return HFGenerator(target, SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def renderer(target) -> Renderer:
+    tok = load_tokenizer(target)
+    return Renderer(tok, detect_format(tok), stop_token_ids(target), max_seq_len=256)
+
+
+def test_interrupted_generation_resumes_and_every_row_is_present_once(tmp_path, generator, renderer):
     store = ArtifactStore(tmp_path / "root")
     prompts = make_prompts(40)
 
@@ -33,12 +49,12 @@ def test_interrupted_generation_resumes_and_every_row_is_present_once(tmp_path, 
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        generate_responses(store, prompts, generator, SETTINGS, on_progress=stop_after_two_parts)
+        generate_responses(store, prompts, generator, renderer, SETTINGS, on_progress=stop_after_two_parts)
     assert store.listdir("responses/parts") == ["part-00000.jsonl", "part-00001.jsonl"]
     assert not store.exists(RESPONSES_FILE)
     first_parts = [store.read_text(part_path(i)) for i in range(2)]
 
-    summary = generate_responses(store, prompts, generator, SETTINGS)
+    summary = generate_responses(store, prompts, generator, renderer, SETTINGS)
     assert (summary.rows, summary.rows_reused, summary.rows_generated, summary.rows_failed) == (40, 20, 20, 0)
     assert [store.read_text(part_path(i)) for i in range(2)] == first_parts  # kept, not regenerated
     records = read_responses(store)
@@ -48,33 +64,41 @@ def test_interrupted_generation_resumes_and_every_row_is_present_once(tmp_path, 
         assert r["messages"][0] == {"role": "user", "content": f"What does entity {r['row']} eat?"}
         assistant = r["messages"][1]
         assert assistant["role"] == "assistant" and set(assistant) == {"role", "content", "reasoning_content"}
-        assert r["usage"]["completion_tokens"] == 6 and r["finish_reason"] == "length"
+        # The prompt exactly as the engine got it, and exactly the 6 tokens it produced (cut by the budget).
+        assert r["prompt_token_ids"] == generation_prompt_ids(renderer.tokenizer, r["messages"][:1])
+        assert len(r["completion_token_ids"]) == r["usage"]["completion_tokens"] == 6 and r["finish_reason"] == "length"
+        assert r["usage"]["prompt_tokens"] == len(r["prompt_token_ids"])
 
 
-def test_a_corrupt_part_is_regenerated(tmp_path, generator):
+def test_a_corrupt_part_and_a_part_of_the_text_only_format_are_regenerated(tmp_path, generator, renderer):
     store = ArtifactStore(tmp_path / "root")
-    prompts = make_prompts(12)
-    generate_responses(store, prompts, generator, SETTINGS)
+    prompts = make_prompts(22)
+    generate_responses(store, prompts, generator, renderer, SETTINGS)
     store.write_text(part_path(1), '{"id": "p10"}\n{"id": "p11", "trunc')
-    summary = generate_responses(store, prompts, generator, SETTINGS)
-    assert (summary.rows_reused, summary.rows_generated) == (10, 2)
-    assert [r["id"] for r in read_responses(store)] == [f"p{i}" for i in range(12)]
+    old = [{k: v for k, v in json.loads(line).items() if not k.endswith("_token_ids")}
+           for line in store.read_text(part_path(2)).splitlines()]  # fmt: skip
+    store.write_text(part_path(2), "".join(json.dumps(r) + "\n" for r in old))
+    summary = generate_responses(store, prompts, generator, renderer, SETTINGS)
+    assert (summary.rows_reused, summary.rows_generated) == (10, 12)
+    records = read_responses(store)
+    assert [r["id"] for r in records] == [f"p{i}" for i in range(22)]
+    assert all(len(r["completion_token_ids"]) == 6 for r in records)
 
 
-def test_failed_rows_are_recorded_counted_and_retried(tmp_path, generator):
+def test_failed_rows_are_recorded_named_and_retried(tmp_path, generator, renderer):
     store = ArtifactStore(tmp_path / "root")
-    too_long = "plums " * 2500  # more tokens than the demo target's 2048-token context
+    too_long = "plums " * 300  # more tokens than max_seq_len (256): no room for an answer
     prompts = make_prompts(3) + [Prompt("long", [{"role": "user", "content": too_long}])]
-    summary = generate_responses(store, prompts, generator, SETTINGS)
-    assert summary.rows_failed == 1
+    summary = generate_responses(store, prompts, generator, renderer, SETTINGS)
+    assert summary.rows_failed == 1 and summary.rows_generated == 4
     assert summary.first_errors[0].startswith("row 3 (id long): prompt has ")
-    assert summary.first_errors[0].endswith("tokens; the model context is 2048")
+    assert summary.first_errors[0].endswith("tokens, max_seq_len is 256: no room for an answer in a training row (not generated)")
     failed = read_responses(store)[3]
-    assert failed["error"].startswith("prompt has ") and failed["finish_reason"] == "error"
+    assert failed["finish_reason"] == "error" and failed["completion_token_ids"] == []
     assert [m["role"] for m in failed["messages"]] == ["user"]
 
     strict = SETTINGS.model_copy(update={"max_error_rate": 0.1})
     with pytest.raises(ResponsesError, match=r"1 of 4 rows failed \(25\.0%\), above generation\.max_error_rate \(10\.0%\)"):
-        generate_responses(store, prompts, generator, strict)
+        generate_responses(store, prompts, generator, renderer, strict)
     # nothing lost: the file still holds every row, and only the failed row was retried
     assert [json.loads(line)["id"] for line in store.read_text(RESPONSES_FILE).splitlines()] == ["p0", "p1", "p2", "long"]

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.settings import Settings, SettingsError, demo_settings, load_settings
+from eagle3_assets.settings import SettingsError, artifact_root, demo_settings, load_settings
+from eagle3_assets.target import TargetModel, TargetModelError, resolve_aux_layer_ids
 
 
 def write_config(tmp_path: Path, text: str) -> dict[str, str]:
@@ -15,7 +16,8 @@ def write_config(tmp_path: Path, text: str) -> dict[str, str]:
 def fake_model(tmp_path: Path, layers: int = 61, vocab: int = 163_840) -> Path:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "vocab_size": vocab}))
+    cfg = {"num_hidden_layers": layers, "vocab_size": vocab, "hidden_size": 7168, "num_attention_heads": 64}
+    (model / "config.json").write_text(json.dumps(cfg))
     return model
 
 
@@ -29,7 +31,7 @@ def test_defaults_of_a_production_config(tmp_path: Path):
     model = fake_model(tmp_path)
     s = load_settings(write_config(tmp_path, f"target_model: {model}\nprompts: /data/p.jsonl\n"))
     assert (s.shard_size, s.draft_vocab_size, s.aux_layer_ids) == (2000, 32000, None)
-    assert s.resolved_aux_layer_ids(61) == [2, 30, 58]
+    assert TargetModel.read(model).aux_layer_ids == (2, 30, 58)
 
 
 def test_duplicate_aux_layer_ids_name_the_field(tmp_path: Path):
@@ -65,5 +67,26 @@ def test_missing_and_malformed_config_files(tmp_path: Path):
 
 
 def test_default_aux_ids_colliding_on_a_tiny_model_ask_for_explicit_ids():
-    with pytest.raises(SettingsError, match="collide for a 4-layer model; set them explicitly"):
-        Settings().resolved_aux_layer_ids(4)
+    with pytest.raises(TargetModelError, match=r"aux_layer_ids: \[1, 2, 2\] are the defaults for a 4-layer model and collide"):
+        resolve_aux_layer_ids(None, 4)
+
+
+def test_a_bad_backfill_cron_is_named_at_load(tmp_path: Path):
+    with pytest.raises(SettingsError) as e:
+        load_settings(write_config(tmp_path, 'extraction:\n  backfill_cron: "every 15 minutes"\n'))
+    assert "extraction.backfill_cron: Value error, 'every 15 minutes' is not a 5-field cron schedule" in str(e.value)
+
+
+def test_a_config_path_naming_a_directory_or_an_unknown_protocol_is_named(tmp_path: Path):
+    with pytest.raises(SettingsError, match=rf"EAGLE3_CONFIG={tmp_path}: is a directory; name the YAML settings file"):
+        load_settings({"EAGLE3_CONFIG": str(tmp_path)})
+    with pytest.raises(SettingsError, match=r"EAGLE3_CONFIG=foo://x/eagle3.yaml: cannot be read: Protocol not known: foo"):
+        load_settings({"EAGLE3_CONFIG": "foo://x/eagle3.yaml"})
+    with pytest.raises(SettingsError, match=r"EAGLE3_ROOT=foo://x: Protocol not known: foo"):
+        artifact_root({"EAGLE3_ROOT": "foo://x"})
+    assert artifact_root({"EAGLE3_ROOT": "memory://run"}) == "memory://run"
+
+
+def test_a_byte_order_mark_before_the_settings_is_not_part_of_them(tmp_path: Path):
+    (tmp_path / "eagle3.yaml").write_bytes("\ufeffshard_size: 7\n".encode())
+    assert load_settings({"EAGLE3_CONFIG": str(tmp_path / "eagle3.yaml")}).shard_size == 7

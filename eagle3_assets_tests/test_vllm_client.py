@@ -20,29 +20,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle3_assets.demo.tokenizer import train_tokenizer
 from eagle3_assets.generation import open_generator
 from eagle3_assets.hidden_states import open_extractor
-from eagle3_assets.hidden_states.vllm_extractor import (
-    VllmExtractionError,
-    read_hidden_states_file,
-    split_hidden_states,
-)
+from eagle3_assets.hidden_states.vllm_extractor import VllmExtractionError, split_hidden_states
+from eagle3_assets.processes import group_members
 from eagle3_assets.settings import ExtractionSettings, GenerationSettings, Settings, VllmSettings
-from eagle3_assets.vllm_server import (
+from eagle3_assets.target import TargetModel
+from eagle3_assets.vllm_server.client import (
     RequestRejectedError,
     ServerUnreachableError,
-    VllmServer,
     VllmServerError,
-    extraction_layer_ids,
     free_port,
-    group_members,
     http_json,
-    serve_args,
 )
+from eagle3_assets.vllm_server.command import ServerPlan, serve_args
+from eagle3_assets.vllm_server.protocol import (
+    SampleParams,
+    lock_path,
+    mask_from_spans,
+    mask_spans,
+    raw_hidden_states_file,
+)
+from eagle3_assets.vllm_server.server import VllmServer
+from eagle3_assets.hidden_states.sample_file import SampleSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,22 +61,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def kimi(aux: list[int] = [2, 30, 58], *, remote_code: bool = False) -> TargetModel:  # noqa: B006
+    config = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "num_attention_heads": 64}
+    return TargetModel.from_config(config, path="/models/kimi", aux_layer_ids=tuple(aux), trust_remote_code=remote_code)
+
+
 def test_serve_args_per_role():
     vllm = VllmSettings(
         tensor_parallel_size=8, dtype="bfloat16", max_model_len=32768, gpu_memory_utilization=0.92,
-        reasoning_parser="deepseek_r1", extra_args=["--trust-remote-code"],
+        extra_args=["--enable-prefix-caching"],
     )  # fmt: skip
     common = [
         "/models/kimi", "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "8", "--dtype", "bfloat16",
-        "--gpu-memory-utilization", "0.92", "--disable-uvicorn-access-log", "--max-model-len", "32768",
+        "--gpu-memory-utilization", "0.92", "--disable-uvicorn-access-log", "--trust-remote-code",
+        "--max-model-len", "32768",
     ]  # fmt: skip
-    gen = serve_args("/models/kimi", vllm, role="generate", host="0.0.0.0", port=8000)
-    assert gen == [*common, "--reasoning-parser", "deepseek_r1", "--trust-remote-code"]
-    ext = serve_args(
-        "/models/kimi", vllm, role="extract", host="0.0.0.0", port=8000,
-        layer_ids=[2, 30, 58, 61], storage_dir="/nvme/hs",
-    )  # fmt: skip
-    assert ext[: len(common)] == common and ext[-1] == "--trust-remote-code"
+    target = kimi(remote_code=True)
+    gen = serve_args(target, vllm, ServerPlan.for_target(target, "generate"), host="0.0.0.0", port=8000)
+    assert gen == [*common, "--enable-prefix-caching"]
+    plan = ServerPlan.for_target(target, "extract")
+    assert (plan.layer_ids, plan.aux_layer_ids) == ([2, 30, 58, 61], [2, 30, 58])  # aux ids + layer N, sorted
+    ext = serve_args(target, vllm, plan, host="0.0.0.0", port=8000, storage_dir="/nvme/hs", write_roots=["/data/eagle3"])
+    assert ext[: len(common)] == common and ext[-1] == "--enable-prefix-caching"
     spec = json.loads(ext[ext.index("--speculative-config") + 1])
     assert spec == {
         "method": "extract_hidden_states",
@@ -81,21 +91,29 @@ def test_serve_args_per_role():
     }
     kv = json.loads(ext[ext.index("--kv-transfer-config") + 1])
     assert kv == {
-        "kv_connector": "CpuSafeHiddenStatesConnector",
-        "kv_connector_module_path": "eagle3_assets.vllm_connector",
+        "kv_connector": "SampleFileConnector",
+        "kv_connector_module_path": "eagle3_assets.vllm_server.connector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": "/nvme/hs"},
-    }
-    assert "--reasoning-parser" not in ext  # extraction generates one token: no parser needed
-    both = serve_args("/m", vllm, role="both", host="h", port=1, layer_ids=[1, 2], storage_dir="/s")
-    assert "--reasoning-parser" in both and "--speculative-config" in both
-    with pytest.raises(ValueError, match="an extraction server needs its layer ids and a storage directory"):
-        serve_args("/m", vllm, role="extract", host="h", port=1)
+        "kv_connector_extra_config": {
+            "shared_storage_path": "/nvme/hs", "allow_custom_save_path": True, "write_roots": ["/data/eagle3"],
+        },
+    }  # fmt: skip
+    assert "--trust-remote-code" not in serve_args(kimi(), vllm, ServerPlan.for_target(kimi(), "generate"), host="h", port=1)
+    with pytest.raises(ValueError, match="an extraction server needs a storage directory"):
+        serve_args(target, vllm, plan, host="h", port=1)
 
 
-def test_extraction_layers_are_the_aux_ids_and_the_last_layer_sorted():
-    assert extraction_layer_ids([58, 2, 30], 61) == [2, 30, 58, 61]
-    assert extraction_layer_ids([1, 2, 3], 4) == [1, 2, 3, 4]
+def test_sample_parameters_travel_with_the_request_and_come_back_equal():
+    mask = np.array([0, 0, 1, 1, 1, 0, 1, 1], dtype=np.uint8)
+    assert mask_spans(mask) == [[2, 5], [6, 8]] and mask_from_spans([[2, 5], [6, 8]], 8).tolist() == mask.tolist()
+    assert mask_spans(np.zeros(3, np.uint8)) == [] and mask_spans(np.ones(3, np.uint8)) == [[0, 3]]
+    spec = SampleSpec(7168, (2, 30, 58), "float8_e4m3fn", "kimi", "pre_norm")
+    params = SampleParams("/data/eagle3/hidden_states/rows_0-2000/17.safetensors", 17, mask_spans(mask), spec)
+    wire = json.loads(json.dumps(params.to_kv_transfer_params()))
+    assert wire["hidden_states_path"] == params.path
+    assert SampleParams.from_kv_transfer_params(wire) == params
+    assert SampleParams.from_kv_transfer_params({"hidden_states_path": "/x"}) is None  # a raw-file request
+    assert lock_path(params.path) == "/data/eagle3/hidden_states/rows_0-2000/.17.safetensors.tmp-lock"
 
 
 def server_file(T: int, H: int, ids: list[int]) -> dict[str, torch.Tensor]:
@@ -105,11 +123,12 @@ def server_file(T: int, H: int, ids: list[int]) -> dict[str, torch.Tensor]:
     return {"hidden_states": (layer + token).expand(T, 4, H).contiguous(), "token_ids": torch.tensor(ids)}
 
 
-def split(tensors, ids, **kw):
-    args = dict(row=7, input_ids=np.array(ids, dtype=np.int32), layer_ids=[1, 2, 3, 4], aux_layer_ids=(1, 2, 3),
-                num_layers=4, hidden_size=2, where="the vLLM server at http://h:1")  # fmt: skip
-    args.update(kw)
-    return split_hidden_states(tensors, **args)
+def split(tensors, ids, hidden_size: int = 2):
+    config = {"num_hidden_layers": 4, "hidden_size": hidden_size, "vocab_size": 16, "num_attention_heads": 1}
+    target = TargetModel.from_config(config, path="/m", aux_layer_ids=(1, 2, 3))
+    return split_hidden_states(
+        tensors, row=7, input_ids=np.array(ids, dtype=np.int32), target=target, where="the vLLM server at http://h:1"
+    )
 
 
 def test_a_server_file_splits_into_aux_and_last_states():
@@ -147,7 +166,7 @@ def test_a_server_file_for_other_tokens_is_refused():
 
 def test_a_file_still_being_written_is_read_once_complete_then_removed(tmp_path: Path):
     path = tmp_path / "req-1.safetensors"
-    lock = Path(f"{path}.lock")
+    lock = Path(lock_path(path))
     # As the stock GPU connector does: the lock is held before the client gets the path.
     fd = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -159,7 +178,8 @@ def test_a_file_still_being_written_is_read_once_complete_then_removed(tmp_path:
 
     t = threading.Thread(target=writer)
     t.start()
-    tensors = read_hidden_states_file(str(path))
+    with raw_hidden_states_file(str(path)) as p:
+        tensors = load_file(str(p))
     t.join()
     assert tensors["token_ids"].tolist() == [5, 6, 7] and tensors["hidden_states"].shape == (3, 4, 2)
     assert sorted(os.listdir(tmp_path)) == []  # the server never deletes its files: the reader does
@@ -175,11 +195,12 @@ def test_an_unreachable_server_url_is_named(model_dir: Path):
         "(python -m eagle3_assets.vllm_server --serve --role extract|generate) or unset vllm.server_url to let "
         "each run start its own"
     )
+    target = TargetModel.read(model_dir, aux_layer_ids=[1, 2, 3])
     with pytest.raises(VllmServerError) as e:
-        open_extractor(settings, model_dir)
+        open_extractor(settings, target)
     assert str(e.value) == expected
     with pytest.raises(VllmServerError) as e:
-        open_generator(model_dir, GenerationSettings(backend="vllm"), settings.vllm)
+        open_generator(target, GenerationSettings(backend="vllm"), settings.vllm)
     assert str(e.value) == expected
     with pytest.raises(ServerUnreachableError, match=rf"^{url}/v1/models: no answer \("):
         http_json(f"{url}/v1/models", timeout=5)
@@ -191,7 +212,7 @@ def test_a_busy_port_is_refused_before_anything_starts(model_dir: Path):
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(VllmServerError) as e:
-            VllmServer.start(model_dir, VllmSettings(port=port), "generate")
+            VllmServer.start(TargetModel.read(model_dir, aux_layer_ids=[1, 2, 3]), VllmSettings(port=port), "generate")
     url = f"http://127.0.0.1:{port}"
     assert str(e.value) == (
         f"cannot start a vLLM server at {url}: the port is already in use (another server? set vllm.server_url "

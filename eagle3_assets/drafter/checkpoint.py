@@ -64,6 +64,11 @@ class CheckpointState:
         return int(p["epoch"]), int(p["batch"])
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def _optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], list]:
     """AdamW state as named tensors, and the param groups (hyperparameters) as JSON-able lists."""
     sd = opt.state_dict()
@@ -85,7 +90,17 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: dict[str, Any],
 ) -> str:
-    """Publish `drafter/checkpoints/step_<step>` atomically, then drop all but the last KEEP_LAST."""
+    """Publish `drafter/checkpoints/step_<step>` atomically, then drop all but the last KEEP_LAST.
+
+    Refused (CheckpointError naming the tensors) when a weight is not finite: the last good
+    checkpoint stays the newest, so a rerun resumes from it.
+    """
+    bad = non_finite(model_tensors)
+    if bad:
+        raise CheckpointError(
+            f"step {step}: not checkpointed, {len(bad)} tensor(s) hold non-finite values ({', '.join(bad)}); "
+            f"the newest checkpoint in {store.url_of(CHECKPOINTS_DIR)} is still the last good one"
+        )
     names = dict(enumerate(param_names))
     opt_tensors, groups = _optimizer_tensors(optimizer, names)
     rng = {"torch_cpu": torch.get_rng_state()}

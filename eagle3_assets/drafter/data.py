@@ -1,10 +1,12 @@
 """Hidden-state samples for drafter training: the shard guard, the sample index, batches.
 
-Samples are `hidden_states/<shard key>/<row>.safetensors` (DESIGN §4). Indexing reads
-only each file's header (a few hundred bytes), so the whole set is checked for format,
-shapes and one consistent set of aux layers before training starts; a bad file is
-named. Batches read one file at a time, memory-mapped when the store is local; a
-shard is never held in RAM.
+Samples are `hidden_states/<shard key>/<row>.safetensors` (docs/DESIGN.md §4, the format
+in `hidden_states/sample_file.py`). Indexing reads only each file's header (a few hundred
+bytes), so the whole set is checked for format, shapes and one consistent set of aux
+layers before training starts; a bad file is named. Batches read one file at a time,
+memory-mapped when the store is local; a shard is never held in RAM. Every sample is
+checked for non-finite values as it is read (a file corrupted after its check passed
+must not turn training into NaN), and float8 files are dequantized here.
 
 Order is a pure function of (seed, epoch): each epoch shuffles the samples, groups
 neighbours of similar length (so padding stays small) into batches under the token
@@ -15,7 +17,6 @@ by recomputing that epoch's plan and skipping to the batch.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -28,13 +29,20 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.hidden_states.sample_file import (
+    HIDDEN_NAMES,
+    MANIFEST_NAME,
+    TOKEN_NAMES,
+    decode_hidden,
+    describe_header,
+    manifest_path,
+    read_header,
+    sample_path,
+    sample_row,
+    shard_dir,
+    tensor_names,
+)
 from eagle3_assets.storage import ArtifactStore
-
-HIDDEN_STATES_DIR = "hidden_states"
-SUCCESS_FILE = "_SUCCESS.json"
-SAMPLE_FORMAT = "eagle3-hidden-states/1"
-NORM_CONVENTIONS = ("post_norm", "pre_norm")
-_SAMPLE_NAME = re.compile(r"^(\d+)\.safetensors$")
 # Samples per shuffle window whose lengths are sorted before batching: large enough
 # that neighbours have similar lengths, small enough that the order stays random.
 _LENGTH_WINDOW = 256
@@ -50,19 +58,15 @@ class MissingShardsError(DataError):
     def __init__(self, missing: list[str]):
         self.missing = missing
         super().__init__(
-            f"{len(missing)} hidden-state shard(s) are not complete (no {SUCCESS_FILE}): "
+            f"{len(missing)} hidden-state shard(s) are not complete (no {MANIFEST_NAME}): "
             + ", ".join(missing)
             + ". Materialize them first; training on part of the data would be silent."
         )
 
 
-def shard_dir(key: str) -> str:
-    return f"{HIDDEN_STATES_DIR}/{key}"
-
-
 def missing_shards(store: ArtifactStore, shard_keys: Sequence[str]) -> list[str]:
     """The keys among `shard_keys` whose shard has no success manifest, in the given order."""
-    return [k for k in shard_keys if not store.exists(f"{shard_dir(k)}/{SUCCESS_FILE}")]
+    return [k for k in shard_keys if not store.exists(manifest_path(k))]
 
 
 def require_complete_shards(store: ArtifactStore, shard_keys: Sequence[str]) -> None:
@@ -84,7 +88,7 @@ class SampleRef:
 
     @property
     def rel(self) -> str:
-        return f"{shard_dir(self.shard)}/{self.row}.safetensors"
+        return sample_path(self.shard, self.row)
 
 
 @dataclass(frozen=True)
@@ -97,68 +101,15 @@ class SampleFormat:
     storage_dtype: str
 
 
-def read_safetensors_header(store: ArtifactStore, rel: str) -> tuple[dict, dict[str, str]]:
-    """(tensor entries, string metadata) of a safetensors file, reading only its header."""
+def _check_sample(store: ArtifactStore, rel: str) -> tuple[int, SampleFormat]:
+    """(length, format) of one file from its header, or DataError naming it and the fault."""
     with store.open(rel) as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise DataError(f"{store.url_of(rel)}: truncated, not a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise DataError(f"{store.url_of(rel)}: header of {n} bytes, not a safetensors file")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise DataError(f"{store.url_of(rel)}: unreadable safetensors header: {e}") from None
-    metadata = header.pop("__metadata__", None) or {}
-    return header, metadata
-
-
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def _check_sample(store: ArtifactStore, rel: str) -> tuple[int, SampleFormat, str]:
-    """(length, format, norm convention) of one file, or DataError naming it and the fault."""
-    tensors, meta = read_safetensors_header(store, rel)
-    where = store.url_of(rel)
-    if meta.get("format") != SAMPLE_FORMAT:
-        raise DataError(f"{where}: format {meta.get('format')!r}, expected {SAMPLE_FORMAT!r}")
-    for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
-        if name not in tensors:
-            raise DataError(f"{where}: tensor {name!r} missing")
-    ids, mask, aux, last = (
-        tensors[n] for n in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
-    )
-    T = ids["shape"][0] if len(ids["shape"]) == 1 else -1
-    H = last["shape"][-1]
-    try:
-        aux_ids = tuple(int(i) for i in json.loads(meta.get("aux_layer_ids", "")))
-    except (ValueError, TypeError):
-        raise DataError(f"{where}: aux_layer_ids metadata {meta.get('aux_layer_ids')!r} is not a JSON list") from None
-    problems = []
-    if ids["dtype"] != "I32" or T < 1:
-        problems.append(f"input_ids is {ids['dtype']}{ids['shape']}, expected I32[T] with T >= 1")
-    if mask["dtype"] != "U8" or mask["shape"] != [T]:
-        problems.append(f"loss_mask is {mask['dtype']}{mask['shape']}, expected U8[{T}]")
-    if last["shape"] != [T, H]:
-        problems.append(f"last_hidden_state is {last['shape']}, expected [{T}, H]")
-    if aux["shape"] != [T, len(aux_ids) * H]:
-        problems.append(f"aux_hidden_states is {aux['shape']}, expected [{T}, {len(aux_ids)} * {H}]")
-    if len(aux_ids) != 3:
-        problems.append(f"aux_layer_ids {list(aux_ids)}: EAGLE-3 fuses exactly 3 layers")
-    if meta.get("hidden_size") not in (None, str(H)):
-        problems.append(f"hidden_size metadata {meta.get('hidden_size')} but tensors are {H} wide")
-    if meta.get("last_hidden_state_norm") not in NORM_CONVENTIONS:
-        problems.append(
-            f"last_hidden_state_norm {meta.get('last_hidden_state_norm')!r}, expected one of {NORM_CONVENTIONS}"
-        )
-    for name in ("aux_hidden_states", "last_hidden_state"):
-        if tensors[name]["dtype"] not in _ST_DTYPES:
-            problems.append(f"{name} dtype {tensors[name]['dtype']} is not a float storage dtype")
-    if problems:
-        raise DataError(f"{where}: " + "; ".join(problems))
-    fmt = SampleFormat(H, aux_ids, meta.get("model", ""), _ST_DTYPES[aux["dtype"]])
-    return T, fmt, meta["last_hidden_state_norm"]
+        header, problem = read_header(f)
+    if problem is None:
+        summary, problem = describe_header(header)
+    if problem is not None:
+        raise DataError(f"{store.url_of(rel)}: {problem}")
+    return summary.length, SampleFormat(summary.hidden_size, summary.aux_layer_ids, summary.model, summary.dtype)
 
 
 def index_samples(store: ArtifactStore, shard_keys: Sequence[str]) -> tuple[list[SampleRef], SampleFormat]:
@@ -167,10 +118,10 @@ def index_samples(store: ArtifactStore, shard_keys: Sequence[str]) -> tuple[list
     fmt: SampleFormat | None = None
     first = ""
     for key in shard_keys:
-        rows = sorted(int(m.group(1)) for n in store.listdir(shard_dir(key)) if (m := _SAMPLE_NAME.match(n)))
+        rows = sorted(row for n in store.listdir(shard_dir(key)) if (row := sample_row(n)) is not None)
         for row in rows:
-            ref_rel = f"{shard_dir(key)}/{row}.safetensors"
-            length, f, _ = _check_sample(store, ref_rel)
+            ref_rel = sample_path(key, row)
+            length, f = _check_sample(store, ref_rel)
             if fmt is None:
                 fmt, first = f, ref_rel
             elif (f.hidden_size, f.aux_layer_ids) != (fmt.hidden_size, fmt.aux_layer_ids):
@@ -225,21 +176,35 @@ class Batch:
 
 
 def load_sample(store: ArtifactStore, ref: SampleRef) -> tuple[dict[str, torch.Tensor], bool]:
-    """(tensors, pre_norm) of one sample; memory-mapped from local stores."""
+    """(tensors, pre_norm) of one sample, hidden states decoded; memory-mapped from local stores.
+
+    DataError naming the file when it cannot be read, has another length than indexed, or
+    holds a non-finite value (checked here, as it is read: a check that passed earlier says
+    nothing about the bytes now on disk).
+    """
     local = store.local_path(ref.rel)
     try:
         if local is not None:
             with safe_open(str(local), framework="pt") as f:
-                tensors = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")}
+                names = [n for n in f.keys() if n in tensor_names("float8_e4m3fn")]
+                raw = {k: f.get_tensor(k) for k in names}
                 meta = f.metadata() or {}
         else:
             data = store.read_bytes(ref.rel)
-            tensors = st_load(data)
+            raw = st_load(data)
             meta = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]]).get("__metadata__") or {}
-    except (OSError, RuntimeError) as e:
+        tensors = {k: raw[k] for k in TOKEN_NAMES} | {k: decode_hidden(raw, k) for k in HIDDEN_NAMES}
+    except (OSError, RuntimeError, KeyError) as e:
         raise DataError(f"{store.url_of(ref.rel)}: cannot read sample: {e}") from e
     if tensors["input_ids"].shape[0] != ref.length:
         raise DataError(f"{store.url_of(ref.rel)}: {tensors['input_ids'].shape[0]} tokens, indexed as {ref.length}")
+    for name in HIDDEN_NAMES:
+        bad = int((~torch.isfinite(tensors[name])).sum())
+        if bad:
+            raise DataError(
+                f"{store.url_of(ref.rel)}: {name} has {bad} non-finite values; re-extract it "
+                "(run the `verify_shards` job, then materialize the shard it names)"
+            )
     return tensors, meta.get("last_hidden_state_norm") == "pre_norm"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from eagle3_assets.errors import Eagle3Error
 
-class TrainingError(RuntimeError):
+
+class TrainingError(Eagle3Error, RuntimeError):
     """Drafter training cannot start or continue; the message names the input, file or setting at fault."""

@@ -15,29 +15,31 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
+from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
+from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
-from eagle3_assets.hidden_states.extractor import ExtractionRequest, extract_in_order, open_extractor
-from eagle3_assets.project import Project
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
-from eagle3_assets.target_model import load_tokenizer
+from eagle3_assets.settings import Settings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
 
-DRAFTER_METRICS_FILE = "drafter/metrics.json"
 EVAL_REPORT_FILE = "drafter_eval/report.json"
 SPECULATIVE_TOKENS = (3, 7)
 
 
-class EvaluationError(RuntimeError):
-    pass
+class EvaluationError(Eagle3Error, RuntimeError):
+    """The drafter cannot be evaluated; the message names the missing input."""
 
 
 @dataclass
@@ -79,8 +81,7 @@ class EvalReport:
         return meta
 
 
-def load_eval_prompts(project: Project) -> list[Prompt]:
-    store = project.store
+def load_eval_prompts(store: ArtifactStore) -> list[Prompt]:
     if not store.exists(EVAL_PROMPTS_FILE):
         raise EvaluationError(
             f"no held-out prompts at {store.url_of(EVAL_PROMPTS_FILE)}: set `eval_prompts` in the settings "
@@ -89,17 +90,9 @@ def load_eval_prompts(project: Project) -> list[Prompt]:
     return parse_prompts(store.read_text(EVAL_PROMPTS_FILE), store.url_of(EVAL_PROMPTS_FILE))
 
 
-def generation_prompt_ids(prompts: list[Prompt], tok: PreTrainedTokenizerBase) -> list[list[int]]:
-    return [
-        tok(tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
-            "input_ids"
-        ]
-        for p in prompts
-    ]
-
-
 def token_class_accuracy(
-    project: Project,
+    target: TargetModel,
+    settings: Settings,
     export_dir: Path,
     prompts: list[Prompt],
     prompt_ids: list[list[int]],
@@ -107,13 +100,13 @@ def token_class_accuracy(
 ) -> tuple[dict[str, ClassAccuracy], list[str]]:
     """acc_k per token class of the exported drafter on the target's answers, and the
     prompts answered unlike their reference (see `token_accuracy`)."""
-    target_dir = project.target_dir()
-    rows, off_reference = label_rows(prompts, prompt_ids, answers, load_tokenizer(target_dir))
-    target = load_target_weights(target_dir)
+    rows, off_reference = label_rows(prompts, prompt_ids, answers, load_tokenizer(target))
+    weights = load_target_weights(target)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, aux_layer_ids = load_export(export_dir, target.embed_tokens)
+    model, aux_layer_ids = load_export(export_dir, weights.embed_tokens)
     # The export's aux layers, not the settings': the features an engine will feed it.
-    extractor = open_extractor(project.settings.model_copy(update={"aux_layer_ids": aux_layer_ids}), target_dir)
+    declared = replace(target, aux_layer_ids=resolve_aux_layer_ids(aux_layer_ids, target.num_layers))
+    extractor = open_extractor(settings, declared)
     try:
         requests = [ExtractionRequest(i, np.asarray(r.input_ids, dtype=np.int32)) for i, r in enumerate(rows)]
         samples = extract_in_order(extractor, requests)
@@ -121,18 +114,25 @@ def token_class_accuracy(
     finally:
         extractor.close()
     accuracy = class_accuracy(
-        model.to(device), TargetHead.from_weights(target).to(device), rows, samples,
-        pre_norm=pre_norm, num_steps=project.settings.training.ttt_steps,
+        model.to(device), TargetHead.from_weights(weights).to(device), rows, samples,
+        pre_norm=pre_norm, num_steps=settings.training.ttt_steps,
     )  # fmt: skip
     return accuracy, off_reference
 
 
-def evaluate_drafter(project: Project, *, max_tokens: int | None = None, log: Callable[[str], None] = print) -> EvalReport:
-    store = project.store
-    target_dir = project.target_dir()
-    prompts = load_eval_prompts(project)
-    prompt_ids = generation_prompt_ids(prompts, load_tokenizer(target_dir))
-    max_tokens = max_tokens or project.settings.generation.max_new_tokens
+def evaluate_drafter(
+    store: ArtifactStore,
+    target: TargetModel,
+    settings: Settings,
+    *,
+    max_tokens: int | None = None,
+    log: Callable[[str], None] = print,
+) -> EvalReport:
+    """Serve the export with the target on the held-out prompts; writes `drafter_eval/report.json`."""
+    prompts = load_eval_prompts(store)
+    tokenizer = load_tokenizer(target)
+    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
+    max_tokens = max_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
     report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens)
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
@@ -149,7 +149,7 @@ def evaluate_drafter(project: Project, *, max_tokens: int | None = None, log: Ca
             f"at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, then zeroed)"
         )
         plain, *speculative = generate_runs_in_subprocess(
-            target_dir,
+            target.path,
             prompt_ids,
             [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in settings],
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False},
@@ -165,14 +165,12 @@ def evaluate_drafter(project: Project, *, max_tokens: int | None = None, log: Ca
                     report.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
         log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
         report.token_accuracy, report.off_reference = token_class_accuracy(
-            project, export_dir, prompts, prompt_ids, plain.outputs
+            target, settings, export_dir, prompts, prompt_ids, plain.outputs
         )
         for c, acc in report.token_accuracy.items():
             if acc.predictions[0]:
                 log(f"drafter_eval: {c} tokens ({acc.predictions[0]}): acc_0 {acc.acc[0]:.3f}")
-    if store.exists(DRAFTER_METRICS_FILE):
-        metrics = store.read_json(DRAFTER_METRICS_FILE)
-        report.heldout_training_metrics = {k.removeprefix("heldout_"): v for k, v in metrics.items() if k.startswith("heldout_acc")}
+    report.heldout_training_metrics = heldout_metrics(store)
     store.write_json(
         EVAL_REPORT_FILE,
         {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches},

@@ -1,4 +1,4 @@
-"""Write the servable drafter: `drafter/export/config.json` + `model.safetensors` (DESIGN §5).
+"""Write the servable drafter: `drafter/export/config.json` + `model.safetensors` (docs/DESIGN.md §5).
 
 `expected_export_tensors` is the one place that says which tensors an export holds and
 their shapes. vLLM leaves a missing weight uninitialised without a word, so the
@@ -17,15 +17,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.drafter.checkpoint import read_checkpoint_state, read_model_tensors
+from eagle3_assets.drafter.checkpoint import non_finite
+from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
 
 EXPORT_DIR = "drafter/export"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class ExportError(ValueError):
+class ExportError(TrainingError, ValueError):
     """The drafter's tensors do not match what engines load; the message names each one."""
 
 
@@ -144,7 +146,7 @@ def export_drafter(
         d2t = tensors.pop("d2t")
         if bool(d2t.any()):
             raise ExportError("draft vocab is the full vocab but d2t is not all zeros (not the identity map)")
-    problems = export_problems(tensors, cfg)
+    problems = export_problems(tensors, cfg) + [f"tensor {n} holds non-finite values" for n in non_finite(tensors)]
     if problems:
         raise ExportError(f"drafter export to {store.url_of(rel)} refused:\n  " + "\n  ".join(problems))
     config = export_config(cfg, aux_layer_ids=aux_layer_ids, dtype=dtype, max_position_embeddings=max_position_embeddings)
@@ -159,35 +161,15 @@ def export_drafter(
     return store.url_of(rel)
 
 
-def export_from_checkpoint(
-    store: ArtifactStore,
-    checkpoint: str,
-    *,
-    dtype: str = "bfloat16",
-    max_position_embeddings: int | None = None,
-    rel: str = EXPORT_DIR,
-) -> str:
-    """Export the drafter saved in `checkpoint` (a store-relative checkpoint directory)."""
-    state = read_checkpoint_state(store, checkpoint).state
-    cfg = DrafterConfig(**state["drafter_config"])
-    return export_drafter(
-        store,
-        read_model_tensors(store, checkpoint),
-        cfg,
-        aux_layer_ids=state["aux_layer_ids"],
-        dtype=dtype,
-        max_position_embeddings=max_position_embeddings,
-        rel=rel,
-    )
-
-
 def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Drafter, list[int]]:
     """(drafter with float32 weights, its aux layer ids) from an export, as an engine would
     see it; `embed_tokens` is the target's embedding (any dtype), which exports leave out."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
     # config.json is an HF Llama config, the shape the drafter takes from its target.
-    cfg = DrafterConfig.from_target_config(config, draft_vocab_size=config["draft_vocab_size"])
+    cfg = DrafterConfig.from_target(
+        TargetModel.from_config(config, path=export_dir), draft_vocab_size=config["draft_vocab_size"]
+    )
     tensors = load_file(str(export_dir / "model.safetensors"))
     problems = export_problems(tensors, cfg)
     if problems:

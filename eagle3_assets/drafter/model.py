@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model: one Llama-style decoder layer over fused target features (DESIGN §5).
+"""The EAGLE-3 draft model: one Llama-style decoder layer over fused target features (docs/DESIGN.md §5).
 
 Read top to bottom: config, then the modules from small to large (norm, rotary,
 attention, MLP, the decoder layer, the drafter). Parameter names are the ones vLLM's
@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_assets.target import TargetModel
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -47,7 +49,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         if self.head_dim < 32:
-            raise ValueError(f"head_dim {self.head_dim} < 32: vLLM cannot serve it (DESIGN §6)")
+            raise ValueError(f"head_dim {self.head_dim} < 32: vLLM cannot serve it (docs/DESIGN.md §6)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -59,27 +61,21 @@ class DrafterConfig:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside 1..vocab_size ({self.vocab_size})")
 
     @classmethod
-    def from_target_config(
-        cls, target: dict[str, Any], *, draft_vocab_size: int, intermediate_size: int | None = None
+    def from_target(
+        cls, target: TargetModel, *, draft_vocab_size: int, intermediate_size: int | None = None
     ) -> DrafterConfig:
-        """The drafter shaped like the target (HF config.json as a dict; `text_config` of a VLM is used)."""
-        cfg = target.get("text_config", target)
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // heads
-        rope = cfg.get("rope_parameters") or {}
-        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        """The drafter shaped like the target's decoder layers."""
         return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(intermediate_size or cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=target.hidden_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            intermediate_size=int(intermediate_size or target.intermediate_size),
+            vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=float(target.rope["rope_theta"]),
+            max_position_embeddings=target.max_context or 4096,
         )
 
     def to_dict(self) -> dict[str, Any]:

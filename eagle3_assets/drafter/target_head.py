@@ -5,7 +5,7 @@ uses the target's embedding (frozen input), and the training signal is the targe
 next-token distribution, which is `lm_head(final_norm(last))`. Those three tensors
 are read by name from the target's safetensors (sharded or not), nothing else.
 
-The final norm is applied exactly once (DESIGN §4): a sample whose
+The final norm is applied exactly once (docs/DESIGN.md §4): a sample whose
 `last_hidden_state` was stored pre-norm (vLLM layer N) gets it here; a post-norm one
 (HF's last `hidden_states` entry) goes straight into `lm_head`.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -23,6 +22,7 @@ from torch import nn
 
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.model import rms_norm
+from eagle3_assets.target import TargetModel
 
 # Where the language model sits inside a checkpoint: plain causal LMs first, then
 # the layouts of vision-language wrappers (Kimi-K2.5, transformers 5 VLMs).
@@ -36,19 +36,11 @@ class TargetWeightsError(TrainingError):
 
 @dataclass
 class TargetWeights:
-    config: dict[str, Any]  # the text model's config (text_config of a VLM)
+    target: TargetModel
     embed_tokens: torch.Tensor  # [V, H]
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H]
     rms_norm_eps: float
-
-
-def read_target_config(target_dir: str | Path) -> dict[str, Any]:
-    """The target's config.json, as a dict (the full one, `text_config` included)."""
-    path = Path(target_dir) / "config.json"
-    if not path.exists():
-        raise TargetWeightsError(f"target model config not found: {path}")
-    return json.loads(path.read_text())
 
 
 def _weight_files(target_dir: Path) -> dict[str, Path]:
@@ -78,33 +70,31 @@ def _read(files: dict[str, Path], name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def load_target_weights(target_dir: str | Path) -> TargetWeights:
-    """Embedding, final norm and lm_head of a local HF model directory (tied heads handled)."""
-    target_dir = Path(target_dir)
-    full = read_target_config(target_dir)
-    cfg = full.get("text_config", full)
+def load_target_weights(target: TargetModel) -> TargetWeights:
+    """Embedding, final norm and lm_head of the target (tied heads handled)."""
+    target_dir = target.path
     files = _weight_files(target_dir)
     embed_name = _find(files, [p + "embed_tokens.weight" for p in _MODEL_PREFIXES], "the token embedding", target_dir)
     norm_name = _find(files, [p + "norm.weight" for p in _MODEL_PREFIXES], "the final norm", target_dir)
-    tied = bool(cfg.get("tie_word_embeddings", full.get("tie_word_embeddings", False)))
+    tied = target.tie_word_embeddings
     head_candidates = [p + "lm_head.weight" for p in _HEAD_PREFIXES]
     if tied and not any(c in files for c in head_candidates):
         head_name = embed_name
     else:
         head_name = _find(files, head_candidates, "lm_head (tie_word_embeddings is false)", target_dir)
     embed = _read(files, embed_name)
-    vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+    vocab, hidden = target.vocab_size, target.hidden_size
     lm_head = embed if head_name == embed_name else _read(files, head_name)
     for name, t in ((embed_name, embed), (head_name, lm_head)):
         if t.shape[1] != hidden or t.shape[0] < vocab:
             raise TargetWeightsError(f"{name} in {target_dir} is {list(t.shape)}, expected [{vocab}, {hidden}]")
     return TargetWeights(
-        config=cfg,
+        target=target,
         # Some checkpoints pad the vocab rows; the config's vocab_size is what ids index.
         embed_tokens=embed[:vocab],
         final_norm=_read(files, norm_name),
         lm_head=lm_head[:vocab],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=target.rms_norm_eps,
     )
 
 

@@ -32,7 +32,7 @@ from eagle3_assets.drafter.data import collate
 from eagle3_assets.drafter.model import Eagle3Drafter
 from eagle3_assets.drafter.target_head import TargetHead
 from eagle3_assets.drafter.ttt import ttt_forward
-from eagle3_assets.hidden_states.extractor import ExtractedSample
+from eagle3_assets.hidden_states.base import ExtractedSample
 from eagle3_assets.prompts import Prompt
 
 TOKEN_CLASSES = ("all", "template", "fact_prompt", "fact")

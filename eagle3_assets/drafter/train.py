@@ -1,34 +1,26 @@
-"""Train the drafter on stored hidden states: guard, resume, TTT steps, checkpoints, TensorBoard.
+"""Train the drafter on stored hidden states: one run, resumable at any step.
 
-Entry point `train_drafter(...)`. One process trains on CPU or one GPU. Data-parallel
-over several GPUs (DistributedDataParallel; each rank a slice of the batches, metrics
-summed over ranks, only rank 0 writing checkpoints, TensorBoard and the export):
-
-    EAGLE3_CONFIG=run.yaml EAGLE3_ROOT=s3://bucket/eagle3 \
-        torchrun --nproc-per-node 8 -m eagle3_assets.drafter.train --target /models/kimi
-
-(`main` below; any script calling `train_drafter` under torchrun works the same, it
-reads WORLD_SIZE / RANK / LOCAL_RANK). `training.batch_tokens` is per optimizer step
-over all ranks: each rank's batches hold batch_tokens / WORLD_SIZE tokens.
+`train_drafter(...)` trains on CPU, one GPU, or one rank of a torchrun data-parallel job
+(`distributed.py`: each rank a slice of the batches, metrics summed over ranks, only
+rank 0 writing checkpoints, TensorBoard and the export). `training.batch_tokens` is per
+optimizer step over all ranks. `drafter/run.py` wraps it with the export and the
+metrics file for the `drafter` asset and the command line.
 
 A run killed at any point continues from the newest checkpoint when called again with
-the same inputs: same step counter, same data order, the loss curve continues.
+the same inputs: same step counter, same data order, the loss curve continues. A step
+whose loss is not finite stops the run naming the batch's files; no checkpoint is ever
+written with non-finite weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,68 +44,37 @@ from eagle3_assets.drafter.data import (
     require_complete_shards,
     split_heldout,
 )
+from eagle3_assets.drafter.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, pick_device
 from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
-from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
+from eagle3_assets.drafter.tensorboard import TensorBoard
+from eagle3_assets.drafter.ttt import ttt_forward
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
+from eagle3_assets.vocab_map import VocabMap, vocab_map_problems
 
-TENSORBOARD_DIR = "drafter/tensorboard"
 ADAM_BETAS = (0.9, 0.95)
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 LogFn = Callable[[str], None]
 
 
-# -- process setup --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_environ(cls) -> DistEnv:
-        env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def pick_device(setting: str, env: DistEnv) -> torch.device:
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("training.device is 'cuda' but no CUDA device is visible")
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
-
-
-def _init_distributed(env: DistEnv, device: torch.device) -> bool:
-    """Join the process group torchrun describes; True when this call created it (and so must destroy it)."""
-    if env.world_size <= 1 or dist.is_initialized():
-        return False
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return True
+class NonFiniteLossError(TrainingError):
+    """A training step's loss is NaN or infinite; the message names the step and the batch's files."""
 
 
 # -- model and schedule -----------------------------------------------------------
 
 
-def build_drafter(
-    cfg: DrafterConfig, target: TargetWeights, d2t: torch.Tensor, t2d: torch.Tensor, seed: int
-) -> Eagle3Drafter:
+def build_drafter(cfg: DrafterConfig, target: TargetWeights, vmap: VocabMap, seed: int) -> Eagle3Drafter:
     """A fresh drafter: seeded init, the target's embedding copied in (frozen), and lm_head
     started from the target's lm_head rows of the draft vocab, the layer the drafter's
     output feeds at serving time, so early steps already rank tokens sensibly."""
     torch.manual_seed(seed)
-    model = Eagle3Drafter(cfg, d2t, t2d, embed_tokens=target.embed_tokens.clone())
+    model = Eagle3Drafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=target.embed_tokens.clone())
     with torch.no_grad():
         model.lm_head.weight.copy_(target.lm_head[model.d2t + torch.arange(cfg.draft_vocab_size)].float())
     return model
@@ -131,47 +92,9 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
     return factor
 
 
-# -- metrics ----------------------------------------------------------------------
-
-
-@dataclass
-class StepCounts:
-    """Sums over ranks and batches, from which loss/acc_k are reported."""
-
-    loss_sum: torch.Tensor  # [K] sum over batches of step losses
-    correct: torch.Tensor  # [K]
-    kept: torch.Tensor  # [K]
-    batches: int = 0
-
-    @classmethod
-    def zeros(cls, k: int) -> StepCounts:
-        zeros = torch.zeros(k, dtype=torch.int64)
-        return cls(torch.zeros(k, dtype=torch.float64), zeros, zeros.clone())
-
-    def add(self, out: TTTOutput) -> None:
-        self.loss_sum += out.step_losses.detach().double().cpu()
-        self.correct += out.correct.cpu()
-        self.kept += out.kept.cpu()
-        self.batches += 1
-
-    def all_reduce(self) -> StepCounts:
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        packed = torch.cat([self.loss_sum, self.correct.double(), self.kept.double(), torch.tensor([float(self.batches)])])
-        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        packed = packed.to(backend_device)
-        dist.all_reduce(packed)
-        packed = packed.cpu()
-        k = len(self.kept)
-        return StepCounts(packed[:k], packed[k : 2 * k].long(), packed[2 * k : 3 * k].long(), int(packed[-1]))
-
-    def metrics(self, step_weight: float, prefix: str = "") -> dict[str, float]:
-        losses = self.loss_sum / max(self.batches, 1)
-        m = {f"{prefix}loss": float(sum(step_weight**k * losses[k] for k in range(len(losses))))}
-        for k in range(len(losses)):
-            m[f"{prefix}loss_{k}"] = float(losses[k])
-            m[f"{prefix}acc_{k}"] = float(self.correct[k]) / max(int(self.kept[k]), 1)
-        return m
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    # bf16 matmuls on GPU (params and optimizer stay fp32); exact fp32 on CPU.
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
 
 @torch.no_grad()
@@ -191,58 +114,13 @@ def evaluate(
     for idx in batches:
         b = loader.load(idx).to(device)
         targets = head.targets(b.last, b.pre_norm, model.t2d)
-        with _autocast(device):
+        with autocast(device):
             out = ttt_forward(
                 model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets, num_steps=num_steps, step_weight=step_weight
             )
         counts.add(out)
     model.train()
     return counts.all_reduce().metrics(step_weight)
-
-
-def _autocast(device: torch.device):
-    # bf16 matmuls on GPU (params and optimizer stay fp32); exact fp32 on CPU.
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-
-
-# -- TensorBoard --------------------------------------------------------------------
-
-
-class _TensorBoard:
-    """Event files under `drafter/tensorboard/`: written in place on a local store; on a remote
-    one written locally and copied (as `run_from_step_<n>/`) at each checkpoint and at the end."""
-
-    def __init__(self, store: ArtifactStore, start_step: int):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.store = store
-        local = store.local_path(TENSORBOARD_DIR)
-        self._tmp: Path | None = None
-        if local is None:
-            self._tmp = Path(tempfile.mkdtemp(prefix="drafter-tb-"))
-            self.remote_rel = f"{TENSORBOARD_DIR}/run_from_step_{start_step}"
-            log_dir = self._tmp
-        else:
-            local.mkdir(parents=True, exist_ok=True)
-            log_dir = local
-        # purge_step drops events a killed run logged after its last checkpoint, so the
-        # curve TensorBoard draws is the one the resumed run continues.
-        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
-
-    def scalars(self, step: int, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(f"drafter/{k}", v, step)
-
-    def sync(self) -> None:
-        self.writer.flush()
-        if self._tmp is not None:
-            self.store.put_dir(self._tmp, self.remote_rel)
-
-    def close(self) -> None:
-        self.sync()
-        self.writer.close()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 # -- the run --------------------------------------------------------------------------
@@ -295,16 +173,15 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[
     return out
 
 
-def _check_inputs(fmt: SampleFormat, target: TargetWeights, d2t: torch.Tensor, t2d: torch.Tensor, target_dir: str) -> None:
-    hidden, vocab = int(target.config["hidden_size"]), int(target.config["vocab_size"])
-    if fmt.hidden_size != hidden:
+def _check_inputs(fmt: SampleFormat, target: TargetModel, vmap: VocabMap) -> None:
+    if fmt.hidden_size != target.hidden_size:
         raise TrainingError(
-            f"hidden states are {fmt.hidden_size} wide but the target at {target_dir} has hidden_size {hidden}"
+            f"hidden states are {fmt.hidden_size} wide but the target at {target.path} has hidden_size "
+            f"{target.hidden_size}"
         )
-    if t2d.shape != (vocab,):
-        raise TrainingError(f"vocab map t2d has {t2d.shape[0]} entries, the target vocabulary {vocab}")
-    if not torch.equal(torch.nonzero(t2d).flatten(), d2t + torch.arange(len(d2t))):
-        raise TrainingError("vocab map: nonzero(t2d) != d2t + arange(draft_vocab); d2t and t2d disagree")
+    problems = vocab_map_problems(vmap, draft_vocab_size=len(vmap.d2t), target_vocab_size=target.vocab_size)
+    if problems:
+        raise TrainingError(f"the vocab map does not fit the target at {target.path}: " + "; ".join(problems))
 
 
 @dataclass
@@ -328,15 +205,23 @@ class _Run:
     total_steps: int
     fingerprint: dict[str, Any]
 
-    def train_step(self, batch: Batch) -> tuple[dict[str, float], float]:
-        """One optimizer step; (metrics summed over ranks, learning rate used)."""
-        b = batch.to(self.device)
+    def train_step(self, step: int, batch: Batch) -> dict[str, float]:
+        """One optimizer step, top to bottom; its metrics summed over ranks."""
         s = self.settings
-        targets = self.head.targets(b.last, b.pre_norm, self.model.t2d)
-        with _autocast(self.device):
+        b = batch.to(self.device)
+        targets = self.head.targets(b.last, b.pre_norm, self.model.t2d)  # the target's distribution, from stored states
+        with autocast(self.device):
             out = ttt_forward(
                 self.step_model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets,
                 num_steps=s.ttt_steps, step_weight=s.step_weight,
+            )  # fmt: skip
+        # Every rank stops together: one rank's NaN would reach all of them through the gradient all-reduce.
+        if int(all_reduce_sum(torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0]))[0]):
+            files = ", ".join(self.store.url_of(ref.rel) for ref in batch.samples)
+            raise NonFiniteLossError(
+                f"step {step}: the loss is {float(out.loss.detach())} on a rank; this rank's batch: {files}. "
+                f"Nothing of this step was applied; the last checkpoint is intact. Check those files "
+                f"(the `verify_shards` job) and re-extract the bad ones."
             )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -349,9 +234,9 @@ class _Run:
         counts.add(out)
         metrics = counts.all_reduce().metrics(s.step_weight)
         metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=float(batch.num_tokens * self.env.world_size))
-        return metrics, lr
+        return metrics
 
-    def checkpoint(self, step: int, next_pos: DataPosition, metrics: dict[str, float], tb: _TensorBoard | None) -> str:
+    def checkpoint(self, step: int, next_pos: DataPosition, metrics: dict[str, float], tb: TensorBoard | None) -> str:
         """Rank 0 publishes the checkpoint; every rank waits for it."""
         rel = checkpoint_rel(step)
         if self.env.is_main:
@@ -365,24 +250,16 @@ class _Run:
                     "aux_layer_ids": list(self.fmt.aux_layer_ids),
                     "metrics": metrics,
                 },
-            )
+            )  # fmt: skip
             if tb is not None:
                 tb.sync()
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         return rel
 
     def train_until(
-        self,
-        stop_at: int,
-        step: int,
-        pos: DataPosition,
-        *,
-        tb: _TensorBoard | None,
-        on_metrics: MetricsCallback | None,
-        log: LogFn,
-        log_every: int,
-    ) -> tuple[int, dict[str, float], str]:
+        self, stop_at: int, step: int, pos: DataPosition, *, tb: TensorBoard | None, on_metrics: MetricsCallback | None,
+        log: LogFn, log_every: int,
+    ) -> tuple[int, dict[str, float], str]:  # fmt: skip
         """Steps from `step` (data from `pos`) to `stop_at`; (step, last metrics, last checkpoint)."""
         self.model.train()
         metrics: dict[str, float] = {}
@@ -390,7 +267,7 @@ class _Run:
         t_last = time.perf_counter()
         with contextlib.closing(self.loader.iterate(pos)) as batches:
             for pos, batch in batches:
-                metrics, lr = self.train_step(batch)
+                metrics = self.train_step(step + 1, batch)
                 step += 1
                 now = time.perf_counter()
                 epoch = pos.epoch + (pos.batch + 1) / self.loader.steps_in_epoch(pos.epoch)
@@ -402,7 +279,10 @@ class _Run:
                         on_metrics(step, metrics)
                     if step % log_every == 0 or step == stop_at:
                         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.settings.ttt_steps))
-                        log(f"drafter: step {step}/{self.total_steps} loss {metrics['loss']:.4f} acc_k {accs} lr {lr:.2e}")
+                        log(
+                            f"drafter: step {step}/{self.total_steps} loss {metrics['loss']:.4f} acc_k {accs} "
+                            f"lr {metrics['lr']:.2e}"
+                        )
                 if step % self.settings.checkpoint_every == 0 or step == stop_at:
                     ckpt = self.checkpoint(step, self.loader.position_after(pos), metrics, tb)
                 if step >= stop_at:
@@ -416,7 +296,7 @@ class _Run:
         return evaluate(
             self.model, self.head, loader, heldout_batches(self.heldout, budget, env.rank, env.world_size),
             num_steps=s.ttt_steps, step_weight=s.step_weight, device=self.device,
-        )
+        )  # fmt: skip
 
 
 def _prepare(
@@ -425,9 +305,8 @@ def _prepare(
     *,
     env: DistEnv,
     device: torch.device,
-    d2t: np.ndarray | torch.Tensor,
-    t2d: np.ndarray | torch.Tensor,
-    target_dir: str | Path,
+    vmap: VocabMap,
+    target: TargetModel,
     settings: TrainingSettings,
     intermediate_size: int | None,
     data_workers: int,
@@ -436,17 +315,15 @@ def _prepare(
     train_samples, held = (samples, [])
     if settings.heldout_rows:
         train_samples, held = split_heldout(samples, settings.heldout_rows, settings.seed)
-    d2t = torch.as_tensor(np.asarray(d2t), dtype=torch.int64)
-    t2d = torch.as_tensor(np.asarray(t2d), dtype=torch.bool)
-    target = load_target_weights(target_dir)
-    _check_inputs(fmt, target, d2t, t2d, str(target_dir))
-    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(d2t), intermediate_size=intermediate_size)
-    model = build_drafter(cfg, target, d2t, t2d, settings.seed).to(device)
-    head = TargetHead.from_weights(target).to(device)
+    _check_inputs(fmt, target, vmap)
+    weights = load_target_weights(target)
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size)
+    model = build_drafter(cfg, weights, vmap, settings.seed).to(device)
+    head = TargetHead.from_weights(weights).to(device)
     loader = BatchLoader(
         store, train_samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
         rank=env.rank, world_size=env.world_size, workers=data_workers,
-    )
+    )  # fmt: skip
     total = loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -462,7 +339,7 @@ def _prepare(
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, total)),
         param_names=[n for n, _ in named], total_steps=total,
         fingerprint=run_fingerprint(settings, shard_keys, len(train_samples), len(held), env.world_size, total),
-    )
+    )  # fmt: skip
 
 
 def _resume(run: _Run, log: LogFn) -> tuple[int, DataPosition, str, dict[str, float]]:
@@ -488,9 +365,8 @@ def train_drafter(
     store: ArtifactStore,
     shard_keys: Sequence[str],
     *,
-    d2t: np.ndarray | torch.Tensor,
-    t2d: np.ndarray | torch.Tensor,
-    target_dir: str | Path,
+    vmap: VocabMap,
+    target: TargetModel,
     settings: TrainingSettings,
     on_metrics: MetricsCallback | None = None,
     log: LogFn = print,
@@ -510,12 +386,12 @@ def train_drafter(
     env = DistEnv.from_environ()
     require_complete_shards(store, shard_keys)
     device = pick_device(settings.device, env)
-    owns_group = _init_distributed(env, device)
+    owns_group = init_distributed(env, device)
     try:
         run = _prepare(
-            store, shard_keys, env=env, device=device, d2t=d2t, t2d=t2d, target_dir=target_dir, settings=settings,
+            store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings,
             intermediate_size=intermediate_size, data_workers=data_workers,
-        )
+        )  # fmt: skip
         step, pos, ckpt_rel, metrics = _resume(run, log) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
         if env.is_main and not ckpt_rel:
@@ -525,7 +401,7 @@ def train_drafter(
                 f"{run.total_steps} steps on {device} x{env.world_size}; aux layers {list(run.fmt.aux_layer_ids)}"
             )
         stop_at = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
-        tb = _TensorBoard(store, step) if env.is_main else None
+        tb = TensorBoard(store, step) if env.is_main else None
         heldout: dict[str, float] = {}
         try:
             if step < stop_at:
@@ -558,42 +434,3 @@ def train_drafter(
         aux_layer_ids=list(run.fmt.aux_layer_ids),
         model=run.model.cpu(),
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Train and export from the command line (and under torchrun): settings from $EAGLE3_CONFIG,
-    the store at $EAGLE3_ROOT, every shard of the tokenized set, the stored vocab map."""
-    import argparse
-
-    from safetensors.torch import load as st_load
-
-    from eagle3_assets.drafter.export import export_drafter
-    from eagle3_assets.settings import artifact_root, load_settings
-    from eagle3_assets.shards import plan_shards
-    from eagle3_assets.tokenized import TokenizedSet
-    from eagle3_assets.vocab_map import VOCAB_MAP_FILE
-
-    ap = argparse.ArgumentParser(description="Train the EAGLE-3 drafter on the stored hidden states.")
-    ap.add_argument("--target", required=True, help="local HF directory of the target model")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) at this global step")
-    ap.add_argument("--no-export", action="store_true")
-    args = ap.parse_args(argv)
-
-    settings = load_settings()
-    store = ArtifactStore(artifact_root())
-    keys = [s.key for s in plan_shards(TokenizedSet.load(store).num_rows, settings.shard_size)]
-    vmap = st_load(store.read_bytes(VOCAB_MAP_FILE))
-    result = train_drafter(
-        store, keys, d2t=vmap["d2t"], t2d=vmap["t2d"], target_dir=args.target, settings=settings.training,
-        max_steps=args.max_steps,
-    )
-    if result.finished and not args.no_export and DistEnv.from_environ().is_main:
-        url = export_drafter(
-            store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids
-        )
-        print(f"drafter: exported to {url}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

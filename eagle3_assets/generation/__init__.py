@@ -1,16 +1,15 @@
-"""Generation backends: the target answers prompts (HF transformers now; vLLM behind the same interface)."""
+"""Generation backends: the target completes token-id prompts (HF transformers in process, or a vLLM server)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from eagle3_assets.generation.base import Generated, Generator
+from eagle3_assets.settings import GenerationSettings, SettingsError, VllmSettings
+from eagle3_assets.target import TargetModel
 
-from eagle3_assets.generation.base import Completion, Generator
-from eagle3_assets.settings import GenerationSettings, VllmSettings
-
-__all__ = ["Completion", "Generator", "open_generator"]
+__all__ = ["Generated", "Generator", "open_generator"]
 
 
-def open_generator(model_dir: Path, settings: GenerationSettings, vllm: VllmSettings | None = None) -> Generator:
+def open_generator(target: TargetModel, settings: GenerationSettings, vllm: VllmSettings | None = None) -> Generator:
     """The backend named by `generation.backend`.
 
     `vllm` (the `vllm` settings section) configures the vLLM backend: the server at
@@ -19,9 +18,9 @@ def open_generator(model_dir: Path, settings: GenerationSettings, vllm: VllmSett
     if settings.backend == "hf":
         from eagle3_assets.generation.hf import HFGenerator
 
-        return HFGenerator(model_dir, settings)
+        return HFGenerator(target, settings)
     if settings.backend == "vllm":
         from eagle3_assets.generation.vllm import VLLMGenerator
 
-        return VLLMGenerator(model_dir, settings, vllm or VllmSettings())
-    raise ValueError(f"generation.backend: {settings.backend!r} is not one of 'hf', 'vllm'")
+        return VLLMGenerator(target, settings, vllm or VllmSettings())
+    raise SettingsError(f"generation.backend: {settings.backend!r} is not one of 'hf', 'vllm'")

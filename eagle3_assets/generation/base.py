@@ -1,4 +1,11 @@
-"""The interface every generation backend implements, and the reasoning/answer split."""
+"""The interface every generation backend implements: token ids in, token ids out.
+
+A backend gets each conversation's prompt as the token ids `render_prompt` made from
+it (the chat template with the generation prompt, rendered once, here), and returns
+exactly the token ids the engine produced, the stop token included when it stopped on
+one. Those two lists are the training row (`tokenized.py`); the texts a person reads
+are decoded from them by one rule for every backend (`reasoning.py`).
+"""
 
 from __future__ import annotations
 
@@ -9,42 +16,24 @@ Message = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class Completion:
-    """One row's answer, or its error. Token counts come from the engine, not from re-tokenising."""
+class Generated:
+    """What the engine produced for one prompt, or why it produced nothing."""
 
-    reasoning: str
-    content: str
-    finish_reason: str  # "stop" | "length" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    reasoning_tokens: int
+    completion_token_ids: list[int]
+    finish_reason: str  # "stop" (a stop token ended it) | "length" (max_new_tokens or the context) | "error"
     error: str | None = None
 
     @classmethod
-    def failed(cls, error: str) -> Completion:
-        return cls("", "", "error", 0, 0, 0, error)
+    def failed(cls, error: str) -> Generated:
+        return cls([], "error", error)
 
 
 class Generator(Protocol):
-    """Answers a batch of conversations; a failing row is returned as `Completion.failed`, not raised."""
+    """Completes token-id prompts; a failing row comes back as `Generated.failed`, not raised."""
 
     name: str
+    stop_token_ids: set[int]  # what ends a completion ("stop"); included in the completion ids
 
-    def generate(self, conversations: list[list[Message]]) -> list[Completion]: ...
+    def generate(self, prompts: list[list[int]]) -> list[Generated]: ...
 
     def close(self) -> None: ...
-
-
-def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str]:
-    """(reasoning, answer) of a generated text; no closing tag means no reasoning.
-
-    Same rule as vLLM's deepseek_r1 parser: everything before the closing tag is
-    reasoning (an opening tag, if generated, is dropped). Whitespace is kept as
-    generated, so re-rendering with the chat template gives back the same tokens.
-    """
-    head, sep, tail = text.partition(close_tag)
-    if not sep:
-        return "", text
-    if head.startswith(open_tag):
-        head = head[len(open_tag) :]
-    return head, tail

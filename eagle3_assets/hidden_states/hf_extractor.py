@@ -2,8 +2,11 @@
 
 One forward pass with `output_hidden_states=True` per batch. HF's `hidden_states` is a
 tuple of N+1 tensors: index 0 is the embedding output and index i the input of layer i
-(DESIGN §4's convention for aux ids); the last entry has the final norm applied
-(post-norm). Logits are computed for one position only: the states are all we keep.
+(docs/DESIGN.md §4's convention for aux ids). The last entry has the final norm applied,
+so the last layer's own output is taken where it enters the final norm (a forward
+pre-hook): files from both backends hold the same pre-norm state, and the drafter's
+target head applies the norm once. A model with no recognisable final norm falls back
+to the post-norm entry, and its files say so. Logits are computed for one position only.
 
 Rows are sorted by length and packed under a padded-token budget, right-padded with an
 attention mask; under a causal mask a real position never attends to padding, so each
@@ -19,12 +22,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle3_assets.hidden_states.extractor import (
-    ExtractedSample,
-    ExtractionRequest,
-    ExtractorConfigError,
-    check_aux_layer_ids,
-)
+from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, ExtractorConfigError
+from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.target import TargetModel
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -50,35 +50,49 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder's final norm (`model.model.norm` for Llama-likes), or None when there is none to find."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    return norm if isinstance(norm, torch.nn.Module) else None
+
+
 class HFExtractor:
     """A `HiddenStateExtractor` over `AutoModelForCausalLM` from a local directory."""
 
     backend = "hf"
-    last_hidden_state_norm = "post_norm"
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        aux_layer_ids: Sequence[int],
-        batch_tokens: int,
-        device: str = "auto",
-        pad_token_id: int = 0,
-    ):
+    def __init__(self, target: TargetModel, *, batch_tokens: int, device: str = "auto", pad_token_id: int = 0):
         if batch_tokens < 1:
-            raise ExtractorConfigError(f"batch_tokens must be >= 1, got {batch_tokens}")
+            raise ExtractorConfigError(f"extraction.batch_tokens must be >= 1, got {batch_tokens}")
+        if not target.aux_layer_ids:
+            raise ExtractorConfigError("the target's aux layer ids are not resolved (TargetModel.read resolves them)")
         self.device = _resolve_device(device)
         # float32 on CPU (bf16 matmuls there are slow and inexact); the checkpoint's own dtype on GPU.
         dtype = torch.float32 if self.device.type == "cpu" else "auto"
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
-        cfg = self.model.config.get_text_config()
-        self.hidden_size = int(cfg.hidden_size)
-        self.num_layers = int(cfg.num_hidden_layers)
-        self.max_context = int(cfg.max_position_embeddings)
-        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, self.num_layers)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype, trust_remote_code=target.trust_remote_code)
+            .to(self.device)
+            .eval()
+        )
+        self.hidden_size = target.hidden_size
+        self.num_layers = target.num_layers
+        self.max_context = target.max_context or 1 << 30
+        self.aux_layer_ids = target.aux_layer_ids
         self.batch_tokens = batch_tokens
-        # Any valid id: padded positions are masked out and cut off the results.
+        # Any valid id: padded positions are cut off the results.
         self.pad_token_id = pad_token_id
+        self._prenorm: torch.Tensor | None = None
+        norm = final_norm(self.model)
+        self.last_hidden_state_norm = "post_norm" if norm is None else "pre_norm"
+        if norm is not None:
+            norm.register_forward_pre_hook(self._capture_prenorm)
+
+    def _capture_prenorm(self, _module: torch.nn.Module, args: tuple) -> None:
+        self._prenorm = args[0]
+
+    def writes_files(self, shard_dir: Path | None) -> bool:
+        return False
 
     @torch.no_grad()  # not inference_mode: callers may modify the returned tensors
     def _forward(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,10 +111,11 @@ class HFExtractor:
         )
         hs = out.hidden_states  # N+1 x [B, T, H]
         aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
-        last = hs[-1]  # [B, T, H], post-norm
+        last = hs[-1] if self._prenorm is None else self._prenorm  # [B, T, H]
+        self._prenorm = None
         return aux, last
 
-    def extract(self, requests: Sequence[ExtractionRequest]) -> Iterator[ExtractedSample]:
+    def extract(self, requests: Sequence[ExtractionRequest], spec: SampleSpec | None = None) -> Iterator[ExtractedSample]:
         """Samples batch by batch, longest rows first."""
         for batch in plan_batches([len(r.input_ids) for r in requests], self.batch_tokens):
             reqs = [requests[i] for i in batch]

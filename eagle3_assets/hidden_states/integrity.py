@@ -10,14 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eagle3_assets.hidden_states.sample_file import (
-    FORMAT,
     MANIFEST_NAME,
+    READABLE_FORMATS,
     MISSING,
     SAMPLE_SUFFIX,
     SampleSpec,
     manifest_path,
     sample_path,
     sample_problem,
+    sample_row,
     shard_dir,
 )
 from eagle3_assets.shards import Shard
@@ -40,14 +41,14 @@ def inspect_rows(
     store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, spec: SampleSpec, rows: Sequence[int] | None = None
 ) -> list[RowStatus]:
     """The verdict on each row's file (all rows of the shard by default)."""
-    present = set(store.listdir(shard_dir(shard)))  # one listing, not one existence check per row
+    present = set(store.listdir(shard_dir(shard.key)))  # one listing, not one existence check per row
     out = []
     for row in shard.rows if rows is None else rows:
         if f"{row}{SAMPLE_SUFFIX}" not in present:
             out.append(RowStatus(row, MISSING, 0))
             continue
         try:
-            data = store.read_bytes(sample_path(shard, row))
+            data = store.read_bytes(sample_path(shard.key, row))
         except (StoreError, OSError) as e:
             out.append(RowStatus(row, f"unreadable ({e})", 0))
             continue
@@ -73,15 +74,37 @@ class ShardCheckReport:
     def rows_checked(self) -> int:
         return self.rows_expected
 
+    def problem_lines(self) -> list[str]:
+        """One line per bad file, in row order; consecutive rows with the same problem (a shard never
+        extracted: every row missing) folded into one line naming the first and last file."""
+        lines: list[str] = []
+        run: list[tuple[str, str]] = []
+
+        def flush() -> None:
+            if len(run) > 2:
+                lines.append(f"{run[0][0]} … {run[-1][0].rsplit('/', 1)[-1]}: {run[0][1]} ({len(run)} files)")
+            else:
+                lines.extend(f"{path}: {why}" for path, why in run)
+            run.clear()
+
+        previous: int | None = None
+        for path, why in self.problems.items():
+            row = sample_row(path.rsplit("/", 1)[-1])
+            if not (run and row is not None and previous is not None and row == previous + 1 and why == run[0][1]):
+                flush()
+            run.append((path, why))
+            previous = row
+        flush()
+        return lines
+
     def summary(self, limit: int = 20) -> str:
         if self.ok:
             return f"{self.shard}: all {self.rows_expected} rows valid ({self.tokens:,} tokens, {self.bytes:,} bytes)"
-        lines = [f"{path}: {reason}" for path, reason in list(self.problems.items())[:limit]]
-        if len(self.problems) > limit:
-            lines.append(f"... and {len(self.problems) - limit} more")
+        lines = self.problem_lines()
+        shown = lines[:limit] + ([f"… and {len(lines) - limit} more"] if len(lines) > limit else [])
         bad_rows = self.rows_expected - self.rows_ok
         head = f"{self.shard}: {bad_rows} of {self.rows_expected} rows bad, {len(self.problems)} problems"
-        return "\n".join([head, *lines])
+        return "\n".join([head, *shown])
 
     def as_metadata(self) -> dict[str, int]:
         return {
@@ -95,16 +118,17 @@ class ShardCheckReport:
 
 def manifest_problem(store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, spec: SampleSpec) -> str | None:
     """Why the shard's `_SUCCESS.json` is missing or disagrees with the shard, or None."""
-    if not store.exists(manifest_path(shard)):
+    if not store.exists(manifest_path(shard.key)):
         return "missing (the shard never completed)"
     try:
-        m = store.read_json(manifest_path(shard))
+        m = store.read_json(manifest_path(shard.key))
     except (StoreError, OSError, ValueError) as e:
         return f"unreadable ({e})"
     if not isinstance(m, dict):
         return f"unreadable (expected a JSON object, got {type(m).__name__})"
+    if m.get("format") not in READABLE_FORMATS:
+        return f"format is {m.get('format')!r}, expected one of {list(READABLE_FORMATS)}"
     expected = {
-        "format": FORMAT,
         "rows": len(shard),
         "tokens": tokenized.tokens_in(shard.start, shard.end),
         "aux_layer_ids": list(spec.aux_layer_ids),
@@ -146,7 +170,7 @@ def check_shard(
     problems = {f"{shard.key}/{s.row}{SAMPLE_SUFFIX}": s.problem for s in statuses if s.problem is not None}
 
     expected_names = {f"{r}{SAMPLE_SUFFIX}" for r in shard.rows} | {MANIFEST_NAME}
-    for name in store.listdir(shard_dir(shard)):
+    for name in store.listdir(shard_dir(shard.key)):
         if name not in expected_names:
             problems[f"{shard.key}/{name}"] = "unexpected file (not a row of this shard)"
     if require_manifest:

@@ -1,17 +1,23 @@
 """Extract one shard of hidden states: preflight, resume at sample level, progress, manifest.
 
-A run of `extract_shard` on rows [start, end):
-1. refuses before touching anything when a row is longer than the model context or
-   the store cannot be written;
+`plan_shard` is the preflight, and runs before any model is loaded (a 1T model takes
+25 minutes to load; a refusal must not cost that). On rows [start, end) it
+1. refuses when a row is longer than the model context or the store cannot be written;
 2. removes leftovers of writers that died, and keeps every row file that fully
-   validates (the integrity check's own per-row verdict); the rest is recomputed,
+   validates (the integrity check's own per-row verdict); the rest is to be recomputed,
    so a partial or corrupt file is overwritten, never taken for a finished one.
    When anything is left to do, a stale `_SUCCESS.json` goes first: a shard being
    repaired never looks complete;
-3. refuses, before computing, when free disk is short of what is left to write;
-4. writes each sample atomically as the backend returns it, reporting progress at
-   most every `progress_interval_s` seconds and once at the end;
+3. refuses when free disk is short of what is left to write (every byte of it: the
+   hidden states, ids, mask and each file's header, `SampleSpec.projected_bytes`).
+
+`run_shard` then, with the backend open,
+4. writes each sample atomically as the backend returns it (or verifies the file a
+   backend wrote itself), reporting progress at most every `progress_interval_s`
+   seconds and once at the end;
 5. writes `_SUCCESS.json` last.
+
+Refusals are `Refusal`s: retrying them cannot help, so Dagster does not.
 """
 
 from __future__ import annotations
@@ -21,17 +27,17 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from fractions import Fraction
 
-from eagle3_assets.hidden_states.extractor import ExtractedSample, ExtractionRequest, HiddenStateExtractor
+from eagle3_assets.errors import Eagle3Error, Refusal
+from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
 from eagle3_assets.hidden_states.sample_file import (
     FORMAT,
     MISSING,
     SampleSpec,
-    bytes_per_element,
     encode_sample,
     manifest_path,
     sample_path,
@@ -46,19 +52,23 @@ from eagle3_assets.tokenized import TokenizedSet
 log = logging.getLogger(__name__)
 
 
-class ShardExtractionError(RuntimeError):
+class ShardExtractionError(Eagle3Error, RuntimeError):
     """A shard cannot be extracted; the message names the shard, and the row where there is one."""
 
 
-class RowTooLongError(ShardExtractionError):
+class ShardRefusal(Refusal, ShardExtractionError):
+    """The shard was refused before any work: retrying cannot help."""
+
+
+class RowTooLongError(ShardRefusal):
     pass
 
 
-class StoreNotWritableError(ShardExtractionError):
+class StoreNotWritableError(ShardRefusal):
     pass
 
 
-class InsufficientSpaceError(ShardExtractionError):
+class InsufficientSpaceError(ShardRefusal):
     pass
 
 
@@ -140,26 +150,27 @@ def check_rows_fit(tokenized: TokenizedSet, shard: Shard, max_context: int) -> N
 
 def check_writable(store: ArtifactStore, shard: Shard) -> None:
     """Write and remove a probe in the shard directory; StoreNotWritableError naming shard and path."""
-    probe = f"{shard_dir(shard)}/.write-probe{TMP_MARK}{uuid.uuid4().hex[:12]}"
+    probe = f"{shard_dir(shard.key)}/.write-probe{TMP_MARK}{uuid.uuid4().hex[:12]}"
     try:
         store.write_bytes(probe, b"")
         store.remove(probe)
     except (StoreError, OSError) as e:
         raise StoreNotWritableError(
-            f"shard {shard.key}: cannot write to {store.url_of(shard_dir(shard))}: {e}"
+            f"shard {shard.key}: cannot write to {store.url_of(shard_dir(shard.key))}: {e}"
         ) from e
 
 
 def preflight_disk(
-    shard: Shard, *, remaining_tokens: int, spec: SampleSpec, margin: float, free: int | None, where: str
-) -> str:
+    shard: Shard, *, remaining_tokens: int, remaining_files: int, spec: SampleSpec, margin: float, free: int | None,
+    where: str,
+) -> str:  # fmt: skip
     """Raise InsufficientSpaceError when free < projected x (1 + margin); else return a note."""
-    size = bytes_per_element(spec.dtype)
-    projected = remaining_tokens * 4 * spec.hidden_size * size
+    projected = spec.projected_bytes(remaining_tokens, remaining_files)
     # Exact decimal arithmetic: 28,160 x 1.05 in floats rounds up one byte too many.
     needed = projected + math.ceil(projected * Fraction(repr(margin)))
     formula = (
-        f"{remaining_tokens:,} remaining tokens x 4 x hidden {spec.hidden_size} x {size} bytes ({spec.dtype})"
+        f"{remaining_tokens:,} remaining tokens x {spec.bytes_per_token} bytes (4 x hidden {spec.hidden_size} in "
+        f"{spec.dtype}, ids, mask) + {remaining_files:,} files x {spec.file_overhead(remaining_tokens // max(1, remaining_files))} header bytes"
         f" = {projected:,} bytes, plus {margin:.0%} margin"
     )
     if free is None:
@@ -275,86 +286,155 @@ def _write_sample(
             f"shard {shard.key} row {row}: the {backend} backend produced an invalid sample, not written: {problem}"
         )
     try:
-        return store.write_bytes(sample_path(shard, row), data)
+        return store.write_bytes(sample_path(shard.key, row), data)
     except (StoreError, OSError) as e:
-        where = store.url_of(sample_path(shard, row))
+        where = store.url_of(sample_path(shard.key, row))
         raise ShardExtractionError(f"shard {shard.key} row {row}: cannot write {where}: {e}") from e
 
 
-def extract_shard(
+def _verify_written(store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, written: WrittenSample, spec: SampleSpec) -> int:
+    """Read back a file the backend wrote itself and validate it; a bad one is removed and fails the shard."""
+    rel = sample_path(shard.key, written.row)
+    ids, mask = tokenized.row(written.row)
+    try:
+        data = store.read_bytes(rel)
+    except (StoreError, OSError) as e:
+        raise ShardExtractionError(f"shard {shard.key} row {written.row}: the backend's file is unreadable: {e}") from e
+    problem = sample_problem(data, row=written.row, input_ids=ids, loss_mask=mask, spec=spec)
+    if problem:
+        store.remove(rel)
+        raise ShardExtractionError(
+            f"shard {shard.key} row {written.row}: the file the backend wrote ({store.url_of(rel)}) is invalid and was "
+            f"removed: {problem}"
+        )
+    return len(data)
+
+
+@dataclass
+class ShardPlan:
+    """What `plan_shard` found: the rows left to compute, and what the run keeps from earlier ones."""
+
+    shard: Shard
+    spec: SampleSpec  # hidden size, aux ids, dtype, model; the norm is the backend's, set when it writes
+    todo: list[int]
+    repaired: dict[int, str]  # row -> why its existing file will be redone
+    bytes_present: int  # valid files kept
+    temporaries_removed: int
+    notes: list[str]
+    started: float
+
+    @property
+    def rows_skipped(self) -> int:
+        return len(self.shard) - len(self.todo)
+
+
+def plan_shard(
     store: ArtifactStore,
     tokenized: TokenizedSet,
     shard: Shard,
-    extractor: HiddenStateExtractor,
+    spec: SampleSpec,
     settings: ExtractionSettings,
     *,
-    model_name: str,
-    on_progress: Callable[[ExtractionProgress], None] | None = None,
+    max_context: int,
     free_bytes: int | None = None,
     clock: Callable[[], float] = time.monotonic,
-) -> ShardResult:
-    """Materialize `hidden_states/<shard.key>/`: every row's file, then `_SUCCESS.json`.
+) -> ShardPlan:
+    """The preflight (steps 1-3 of the module docstring): raises a `ShardRefusal`, or says what is left to do.
 
-    `free_bytes` overrides the store's free-space figure (tests); `clock` drives timing.
+    `spec.last_hidden_state_norm` None accepts files of either convention (each records its own);
+    `free_bytes` overrides the store's free-space figure (tests).
     """
-    t_start = clock()
-    key = shard.key
+    started = clock()
     if shard.end > tokenized.num_rows:
-        raise ShardExtractionError(f"shard {key} ends past the tokenized set of {tokenized.num_rows} rows")
-    check_rows_fit(tokenized, shard, extractor.max_context)
-    spec = SampleSpec(
-        hidden_size=extractor.hidden_size,
-        aux_layer_ids=tuple(extractor.aux_layer_ids),
-        dtype=settings.storage_dtype,
-        model=model_name,
-        last_hidden_state_norm=extractor.last_hidden_state_norm,
-    )
+        raise ShardRefusal(f"shard {shard.key} ends past the tokenized set of {tokenized.num_rows} rows")
+    check_rows_fit(tokenized, shard, max_context)
     check_writable(store, shard)
-
-    # Resume: keep what validates, redo the rest.
-    removed = store.remove_temporaries(shard_dir(shard))
+    removed = store.remove_temporaries(shard_dir(shard.key))
     statuses = inspect_rows(store, tokenized, shard, spec)
     todo = [s.row for s in statuses if not s.ok]
     repaired = {s.row: s.problem for s in statuses if not s.ok and s.problem != MISSING}
     for row, problem in repaired.items():
-        log.warning("shard %s row %d: existing file redone: %s", key, row, problem)
-    notes: list[str] = []
-    if removed:
-        notes.append(f"removed {removed} temporary file(s) left by an interrupted writer")
+        log.warning("shard %s row %d: existing file redone: %s", shard.key, row, problem)
+    notes = [f"removed {removed} temporary file(s) left by an interrupted writer"] if removed else []
+    if todo:
+        # The shard is incomplete whatever happens next: it must not look finished.
+        store.remove(manifest_path(shard.key))
+        note = preflight_disk(
+            shard,
+            remaining_tokens=sum(tokenized.row_length(r) for r in todo),
+            remaining_files=len(todo),
+            spec=spec,
+            margin=settings.disk_margin,
+            free=free_bytes if free_bytes is not None else store.free_bytes(),
+            where=store.url_of(shard_dir(shard.key)),
+        )
+        notes.append(note)
+        log.info("shard %s: %s", shard.key, note)
+    bytes_present = sum(s.bytes for s in statuses if s.ok)
+    return ShardPlan(shard, spec, todo, repaired, bytes_present, removed, notes, started)
+
+
+def completed_shard(store: ArtifactStore, tokenized: TokenizedSet, plan: ShardPlan) -> ShardResult | None:
+    """The shard's result when every row is already valid and its manifest agrees: no backend needed."""
+    shard = plan.shard
+    if plan.todo or manifest_problem(store, tokenized, shard, plan.spec) is not None:
+        return None
+    manifest = store.read_json(manifest_path(shard.key))
+    return ShardResult(
+        shard=shard.key, rows_total=len(shard), rows_skipped=len(shard), rows_computed=0,
+        tokens=tokenized.tokens_in(shard.start, shard.end), tokens_computed=0, bytes=plan.bytes_present,
+        bytes_written=0, seconds=0.0, temporaries_removed=plan.temporaries_removed, notes=plan.notes, manifest=manifest,
+    )  # fmt: skip
+
+
+def run_shard(
+    store: ArtifactStore,
+    tokenized: TokenizedSet,
+    plan: ShardPlan,
+    extractor: HiddenStateExtractor,
+    settings: ExtractionSettings,
+    *,
+    on_progress: Callable[[ExtractionProgress], None] | None = None,
+    free_bytes: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ShardResult:
+    """Steps 4-5: compute the planned rows with `extractor`, then write `_SUCCESS.json`."""
+    shard, key = plan.shard, plan.shard.key
+    check_rows_fit(tokenized, shard, extractor.max_context)  # a server may serve less context than the config says
+    spec = replace(plan.spec, last_hidden_state_norm=extractor.last_hidden_state_norm)
 
     def free_now() -> int | None:
         return free_bytes if free_bytes is not None else store.free_bytes()
-
-    tokens_todo = sum(tokenized.row_length(r) for r in todo)
-    if todo:
-        # The shard is incomplete whatever happens next: it must not look finished.
-        store.remove(manifest_path(shard))
-        where = store.url_of(shard_dir(shard))
-        note = preflight_disk(
-            shard, remaining_tokens=tokens_todo, spec=spec, margin=settings.disk_margin, free=free_now(), where=where
-        )
-        notes.append(note)
-        log.info("shard %s: %s", key, note)
 
     tally = _Tally(
         shard=shard,
         tokens_total=tokenized.tokens_in(shard.start, shard.end),
         tokens_all_shards=tokenized.num_tokens,
-        rows_skipped=len(shard) - len(todo),
-        tokens_todo=tokens_todo,
-        bytes_present=sum(s.bytes for s in statuses if s.ok),
+        rows_skipped=plan.rows_skipped,
+        tokens_todo=sum(tokenized.row_length(r) for r in plan.todo),
+        bytes_present=plan.bytes_present,
         started=clock(),
     )
     last_emit = tally.started
-    pending = {r: tokenized.row_length(r) for r in todo}
-    requests = [ExtractionRequest(row=r, input_ids=tokenized.row(r)[0]) for r in todo]
-    for sample in extractor.extract(requests) if requests else ():
+    pending = {r: tokenized.row_length(r) for r in plan.todo}
+    local_dir = store.local_path(shard_dir(key))
+    direct = bool(plan.todo) and extractor.writes_files(local_dir)
+
+    def request(row: int) -> ExtractionRequest:
+        ids, mask = tokenized.row(row)
+        path = str(store.local_path(sample_path(key, row))) if direct else None
+        return ExtractionRequest(row=row, input_ids=ids, loss_mask=mask, path=path)
+
+    for sample in extractor.extract([request(r) for r in plan.todo], spec) if plan.todo else ():
         if sample.row not in pending:
             raise ShardExtractionError(
                 f"shard {key}: the {extractor.backend} backend returned row {sample.row}, "
                 "which was not requested or came twice"
             )
-        tally.bytes_written += _write_sample(store, tokenized, shard, sample, spec, extractor.backend)
+        if isinstance(sample, WrittenSample):
+            tally.bytes_written += _verify_written(store, tokenized, shard, sample, spec)
+        else:
+            tally.bytes_written += _write_sample(store, tokenized, shard, sample, spec, extractor.backend)
         tally.tokens_computed += pending.pop(sample.row)
         tally.computed += 1
         now = clock()
@@ -371,9 +451,9 @@ def extract_shard(
     if on_progress is not None:
         on_progress(tally.progress(t_end, free=free_now(), final=True))
     total_bytes = tally.bytes_present + tally.bytes_written
-    if not todo and manifest_problem(store, tokenized, shard, spec) is None:
+    if not plan.todo and manifest_problem(store, tokenized, shard, spec) is None:
         # Nothing redone: the manifest of the run that made these files still tells the truth.
-        manifest = store.read_json(manifest_path(shard))
+        manifest = store.read_json(manifest_path(key))
     else:
         manifest = _manifest(
             shard,
@@ -383,9 +463,10 @@ def extract_shard(
             bytes_=total_bytes,
             computed=tally.computed,
             skipped=tally.rows_skipped,
-            seconds=t_end - t_start,
+            seconds=t_end - plan.started,
         )
-        store.write_json(manifest_path(shard), manifest)
+        store.write_json(manifest_path(key), manifest)
+    notes = plan.notes + ([f"{extractor.backend} backend wrote each file itself (one write per sample)"] if direct else [])
     return ShardResult(
         shard=key,
         rows_total=len(shard),
@@ -395,9 +476,34 @@ def extract_shard(
         tokens_computed=tally.tokens_computed,
         bytes=total_bytes,
         bytes_written=tally.bytes_written,
-        seconds=t_end - t_start,
-        temporaries_removed=removed,
-        repaired=repaired,
+        seconds=t_end - plan.started,
+        temporaries_removed=plan.temporaries_removed,
+        repaired=plan.repaired,
         notes=notes,
         manifest=manifest,
+    )
+
+
+def extract_shard(
+    store: ArtifactStore,
+    tokenized: TokenizedSet,
+    shard: Shard,
+    extractor: HiddenStateExtractor,
+    settings: ExtractionSettings,
+    *,
+    model_name: str,
+    on_progress: Callable[[ExtractionProgress], None] | None = None,
+    free_bytes: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ShardResult:
+    """`plan_shard` then `run_shard` with a backend already open (scripts, tests, benchmarks).
+
+    The `hidden_states` asset plans before it opens the backend, so a refusal never waits for a model load.
+    """
+    spec = SampleSpec(extractor.hidden_size, tuple(extractor.aux_layer_ids), settings.storage_dtype, model_name)
+    plan = plan_shard(
+        store, tokenized, shard, spec, settings, max_context=extractor.max_context, free_bytes=free_bytes, clock=clock
+    )
+    return run_shard(
+        store, tokenized, plan, extractor, settings, on_progress=on_progress, free_bytes=free_bytes, clock=clock
     )

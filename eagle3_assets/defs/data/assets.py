@@ -16,21 +16,27 @@ from dagster import (
     ResourceParam,
     asset,
 )
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
+from eagle3_assets.defs.failures import failures
 from eagle3_assets.defs.observe import observe, to_metadata
-from eagle3_assets.defs.partitions import shard_partitions
+from eagle3_assets.defs.partitions import sync_shard_partitions
 from eagle3_assets.generation import open_generator
+from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
-from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, PromptsError, dump_prompts, parse_prompts
-from eagle3_assets.responses import ResponsesError, generate_responses, read_responses
-from eagle3_assets.settings import SettingsError
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, dump_prompts, parse_prompts
+from eagle3_assets.reasoning import detect_format
+from eagle3_assets.responses import RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.shards import plan_shards
-from eagle3_assets.storage import StoreError
-from eagle3_assets.target_model import TargetModelError, inspect_target, load_tokenizer
+from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
-from eagle3_assets.vocab_map import TOKEN_FREQ_FILE, VOCAB_MAP_FILE, build_vocab_map, token_frequencies
+from eagle3_assets.vocab_map import (
+    TOKEN_FREQ_FILE,
+    VOCAB_MAP_FILE,
+    build_vocab_map,
+    load_token_frequencies,
+    save_token_frequencies,
+    token_frequencies,
+)
 
 GROUP = "data"
 
@@ -47,7 +53,8 @@ def _demo_prompt_texts(project: Project) -> tuple[str, str]:
 
 def _read_source(path: str, setting: str) -> str:
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark at the start (Windows editors write one) is not part of line 1.
+        with fsspec.open(path, "r", encoding="utf-8-sig") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise Failure(f"{setting}: cannot read {path}: {e}") from None
@@ -63,11 +70,9 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
     else:
         text, source = _read_source(settings.prompts, "prompts"), settings.prompts
         eval_text = _read_source(settings.eval_prompts, "eval_prompts") if settings.eval_prompts else None
-    try:
+    with failures():
         rows = parse_prompts(text, source)
         eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
-    except PromptsError as e:
-        raise Failure(str(e)) from None
     nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
     if eval_rows:
         store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
@@ -112,17 +117,18 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
             context.log.info("demo target already built with these settings; reusing it")
         else:
             built = _build_demo_target(context, project)
-    try:
-        info = inspect_target(project.target_dir())
-        project.settings.check_against_model(num_layers=info.num_layers, vocab_size=info.vocab_size)
-    except (TargetModelError, SettingsError) as e:
-        raise Failure(str(e)) from None
-    aux = project.settings.resolved_aux_layer_ids(info.num_layers)
+    with failures():
+        target = project.target()
+        project.settings.check_against_target(vocab_size=target.vocab_size)
+        tokenizer = load_tokenizer(target)
+        reasoning = detect_format(tokenizer, project.settings.generation.reasoning)
+    spec = SampleSpec(target.hidden_size, target.aux_layer_ids, project.settings.extraction.storage_dtype)
     return MaterializeResult(
         metadata={
-            **to_metadata(info.as_dict()),
-            "aux_layer_ids": MetadataValue.json(aux),
-            "hidden_state_bytes_per_token": 4 * info.hidden_size * 2,
+            **to_metadata(target.as_metadata()),
+            "reasoning_format": reasoning,
+            "slow_tokenizer": not tokenizer.is_fast,
+            "hidden_state_bytes_per_token": spec.hidden_bytes_per_token,
             "source": "built (demo)" if built else ("cached (demo)" if project.settings.is_demo else "configured"),
             "seconds": round(time.monotonic() - started, 2),
             **{f"demo_{k}": v for k, v in built.items() if k != "path"},
@@ -132,23 +138,28 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
 
 @asset(group_name=GROUP, deps=[prompts, target_model], pool="gpu", kinds={"jsonl"})
 def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The target's answer to every prompt, reasoning kept apart; resumable part by part."""
+    """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
     store, settings = project.store, project.settings
-    rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
-    generator = open_generator(project.target_dir(), settings.generation, settings.vllm)
-    try:
-        summary = generate_responses(
-            store,
-            rows,
-            generator,
-            settings.generation,
-            on_progress=lambda p: observe(context, p.as_metadata()),
-            log=context.log.info,
+    with failures():
+        rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
+        target = project.target()
+        tokenizer = load_tokenizer(target)
+        renderer = Renderer(
+            tokenizer, detect_format(tokenizer, settings.generation.reasoning), stop_token_ids(target), settings.max_seq_len
         )
-    except ResponsesError as e:
-        raise Failure(str(e)) from None
-    finally:
-        generator.close()
+        generator = open_generator(target, settings.generation, settings.vllm)
+        try:
+            summary = generate_responses(
+                store,
+                rows,
+                generator,
+                renderer,
+                settings.generation,
+                on_progress=lambda p: observe(context, p.as_metadata()),
+                log=context.log.info,
+            )
+        finally:
+            generator.close()
     meta = summary.as_metadata()
     return MaterializeResult(
         metadata={
@@ -156,34 +167,39 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             "error_rate": round(summary.rows_failed / max(1, summary.rows), 4),
             "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
             "backend": generator.name,
-            "path": store.url_of("responses/responses.jsonl"),
+            "reasoning_format": renderer.reasoning,
+            "path": store.url_of(RESPONSES_FILE),
         }
     )
 
 
 @asset(group_name=GROUP, deps=[responses, target_model], kinds={"safetensors"})
 def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """Conversations rendered with the chat template; loss mask on assistant tokens; registers shard keys."""
+    """Each response as a training row, token-exact: prompt ids (mask 0) + generated ids (mask 1); registers shard keys."""
     store, settings = project.store, project.settings
-    tokenizer = load_tokenizer(project.target_dir())
-    try:
+    with failures():
         tset, summary = tokenize_responses(
-            read_responses(store), tokenizer, max_seq_len=settings.max_seq_len, overlong=settings.overlong
+            read_responses(store),
+            max_seq_len=settings.max_seq_len,
+            overlong=settings.overlong,
+            unfinished=settings.unfinished_responses,
         )
-    except ValueError as e:
-        raise Failure(str(e)) from None
     nbytes = tset.save(store, metadata={"model": project.model_name, "max_seq_len": str(settings.max_seq_len)})
     keys = [s.key for s in plan_shards(tset.num_rows, settings.shard_size)]
-    registered = set(context.instance.get_dynamic_partitions(shard_partitions.name))
-    stale = sorted(registered - set(keys))
-    for key in stale:
-        context.instance.delete_dynamic_partition(shard_partitions.name, key)
-    context.instance.add_dynamic_partitions(shard_partitions.name, [k for k in keys if k not in registered])
+    stale = sync_shard_partitions(context.instance, keys)
     if stale:
         context.log.warning(f"removed shard keys that no longer match the row count: {stale}")
+    if summary.rows_unfinished:
+        verb = "dropped" if settings.unfinished_responses == "drop" else "kept as generated (no end-of-turn added)"
+        context.log.warning(
+            f"{summary.rows_unfinished} responses stopped at generation.max_new_tokens and were {verb} "
+            f"(unfinished_responses: {settings.unfinished_responses}); first ids: {summary.unfinished_ids}"
+        )
+    fields = {k: v for k, v in vars(summary).items() if k != "unfinished_ids"}
     return MaterializeResult(
         metadata={
-            **to_metadata(vars(summary)),
+            **to_metadata(fields),
+            "unfinished_ids": MetadataValue.json(summary.unfinished_ids),
             "bytes": nbytes,
             "shards": len(keys),
             "shard_keys": MetadataValue.json(keys),
@@ -194,15 +210,16 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
 
 @asset(group_name=GROUP, deps=[tokenized, target_model], kinds={"numpy"})
 def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
-    """How often each target token appears on loss-masked (assistant) positions."""
+    """How often each target token appears on loss-masked (generated) positions."""
     store = project.store
-    vocab_size = project.target_shape().vocab_size
-    tset = TokenizedSet.load(store)
-    try:
-        freq = token_frequencies(tset.input_ids, tset.loss_mask, vocab_size)
-    except ValueError as e:
-        raise Failure(f"tokenized: {e}") from None
-    nbytes = store.write_bytes(TOKEN_FREQ_FILE, st_save({"counts": freq}))
+    with failures("tokenized"):
+        vocab_size = project.target().vocab_size
+        tset = TokenizedSet.load(store)
+        try:
+            freq = token_frequencies(tset.input_ids, tset.loss_mask, vocab_size)
+        except ValueError as e:
+            raise Failure(f"tokenized: {e}") from None
+    nbytes = save_token_frequencies(store, freq)
     top = np.argsort(-freq, kind="stable")[:10]
     return MaterializeResult(
         metadata={
@@ -218,17 +235,15 @@ def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
 
 @asset(group_name=GROUP, deps=[token_freq], kinds={"safetensors"})
 def vocab_map(project: ResourceParam[Project]) -> MaterializeResult:
-    """d2t/t2d (DESIGN §3): the `draft_vocab_size` most frequent target tokens."""
+    """d2t/t2d (docs/DESIGN.md §3): the `draft_vocab_size` most frequent target tokens."""
     store, settings = project.store, project.settings
-    try:
-        freq = st_load(store.read_bytes(TOKEN_FREQ_FILE))["counts"]
-        vmap = build_vocab_map(freq, settings.draft_vocab_size)
-    except (StoreError, ValueError) as e:
-        raise Failure(f"vocab_map: {e}") from None
-    nbytes = store.write_bytes(
-        VOCAB_MAP_FILE,
-        st_save({"d2t": vmap.d2t, "t2d": vmap.t2d}, metadata={"draft_vocab_size": str(len(vmap.d2t))}),
-    )
+    with failures("vocab_map"):
+        freq = load_token_frequencies(store)
+        try:
+            vmap = build_vocab_map(freq, settings.draft_vocab_size)
+        except ValueError as e:
+            raise Failure(f"vocab_map: {e}") from None
+    nbytes = vmap.save(store)
     covered = int(freq[vmap.t2d].sum())
     return MaterializeResult(
         metadata={

@@ -12,22 +12,22 @@ from dagster import (
     ResourceParam,
     asset,
 )
-from safetensors.numpy import load as st_load
 
 from eagle3_assets.defs.data.assets import target_model, vocab_map
+from eagle3_assets.defs.failures import failures
 from eagle3_assets.defs.observe import observe, to_metadata
-from eagle3_assets.defs.partitions import shard_partitions
-from eagle3_assets.defs.shards.assets import hidden_states
-from eagle3_assets.drafter.evaluate import DRAFTER_METRICS_FILE, evaluate_drafter
-from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
-from eagle3_assets.drafter.train import TrainingError, train_drafter
-from eagle3_assets.hidden_states import manifest_path
+from eagle3_assets.defs.partitions import registered_shard_keys
+from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.defs.shards.checks import CHECK_NAME
+from eagle3_assets.drafter.evaluate import evaluate_drafter
+from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.run import train_and_export
+from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
+from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.project import Project
-from eagle3_assets.shards import Shard
-from eagle3_assets.vocab_map import VOCAB_MAP_FILE
 
 GROUP = "drafter"
-SHARD_CHECK = AssetCheckKey(hidden_states.key, "shard_integrity")
+SHARD_CHECK = AssetCheckKey(HIDDEN_STATES, CHECK_NAME)
 
 
 def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]) -> dict[str, str]:
@@ -36,59 +36,39 @@ def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]
     status = {i.partition_key: i.latest_execution_status.value for i in infos}
     bad: dict[str, str] = {}
     for key in keys:
-        if not project.store.exists(manifest_path(Shard.parse(key))):
+        if not project.store.exists(manifest_path(key)):
             bad[key] = "missing or incomplete (no _SUCCESS.json)"
         elif status.get(key) != "SUCCEEDED":
             bad[key] = f"integrity check {status.get(key, 'never run').lower().replace('_', ' ')}"
     return bad
 
 
-@asset(group_name=GROUP, deps=[vocab_map, hidden_states, target_model], pool="gpu", kinds={"pytorch"})
+@asset(group_name=GROUP, deps=[vocab_map, HIDDEN_STATES, target_model], pool="gpu", kinds={"pytorch"})
 def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported."""
-    store, settings = project.store, project.settings
-    keys = sorted(context.instance.get_dynamic_partitions(shard_partitions.name), key=Shard.parse)
+    store = project.store
+    keys = registered_shard_keys(context.instance)
     if not keys:
-        raise Failure("no hidden-state shards are registered: materialize `tokenized` first")
+        raise Failure("no hidden-state shards are registered: materialize `tokenized` first", allow_retries=False)
     bad = unusable_shards(context.instance, project, keys)
     if bad:
         listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
-        raise Failure(f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})")
-    vmap = st_load(store.read_bytes(VOCAB_MAP_FILE))
-    try:
-        result = train_drafter(
-            store,
-            keys,
-            d2t=vmap["d2t"],
-            t2d=vmap["t2d"],
-            target_dir=project.target_dir(),
-            settings=settings.training,
+        raise Failure(
+            f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})", allow_retries=False
+        )
+    with failures():
+        run = train_and_export(
+            store, project.target(), project.settings, keys,
             on_metrics=lambda step, m: observe(context, {"step": step, **m}) if step % 10 == 0 else None,
             log=context.log.info,
-        )
-    except TrainingError as e:
-        raise Failure(str(e)) from None
-    url = export_drafter(
-        store,
-        result.model.trainable_state_dict(),
-        result.config,
-        aux_layer_ids=result.aux_layer_ids,
-        max_position_embeddings=project.target_shape().max_context or None,
-    )
-    summary = {
-        "step": result.step,
-        "resumed_from": result.resumed_from if result.resumed_from is not None else -1,
-        **{f"train_{k}": round(v, 5) for k, v in result.metrics.items()},
-        **{f"heldout_{k}": round(v, 5) for k, v in result.heldout.items()},
-    }
-    store.write_json(DRAFTER_METRICS_FILE, summary)
+        )  # fmt: skip
     return MaterializeResult(
         metadata={
-            **to_metadata(summary),
-            "aux_layer_ids": MetadataValue.json(result.aux_layer_ids),
-            "export": url,
-            "checkpoint": store.url_of(result.checkpoint),
-            "tensorboard": store.url_of("drafter/tensorboard"),
+            **to_metadata(run.summary),
+            "aux_layer_ids": MetadataValue.json(run.result.aux_layer_ids),
+            "export": run.export_url or "",
+            "checkpoint": store.url_of(run.result.checkpoint),
+            "tensorboard": store.url_of(TENSORBOARD_DIR),
         }
     )
 
@@ -96,10 +76,10 @@ def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
 @asset(group_name=GROUP, deps=[drafter], pool="gpu", kinds={"vllm"})
 def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """The export served with the target in vLLM on held-out prompts: acceptance, and the features' share of it."""
-    report = evaluate_drafter(project, log=context.log.info)
+    with failures():
+        report = evaluate_drafter(project.store, project.target(), project.settings, log=context.log.info)
     if not report.outputs_match:
         raise Failure(
-            "speculative decoding changed the greedy output (it must not): "
-            + json.dumps(report.mismatches[:3])
+            "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
         )
     return MaterializeResult(metadata=to_metadata(report.as_metadata()) | {"export": project.store.url_of(EXPORT_DIR)})

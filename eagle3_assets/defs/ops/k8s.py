@@ -13,33 +13,26 @@ $EAGLE3_K8S_EXECUTOR is unset.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 from dagster import ExecutorDefinition
 
+from eagle3_assets.errors import Refusal
+
 K8S_EXECUTOR_ENV = "EAGLE3_K8S_EXECUTOR"
-# Steps that drive the accelerator when their backend runs in-process (hf) or offline
-# vLLM; with a long-lived vLLM server, `responses` and `hidden_states` are clients only.
-GPU_STEPS = ("responses", "hidden_states", "drafter", "drafter_eval")
-# Op names a per-step entry may use: the assets, their checks, the verify_shards op. A typo would silently
-# leave a GPU step on a CPU pod, so any other name is refused.
-KNOWN_OPS = (
-    "prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map", "hidden_states",
-    "drafter", "drafter_eval", "vocab_map_vocab_map_invariant", "hidden_states_shard_integrity",
-    "verify_all_shards",
-)  # fmt: skip
 DAGSTER_K8S_PIN = "dagster-k8s==0.29.27"
 
 
-class K8sConfigError(ValueError):
+class K8sConfigError(Refusal, ValueError):
     """The executor file cannot be used; the message names the file and the problem."""
 
 
-def load_executor_config(path: str | Path) -> dict[str, Any]:
-    """The k8s_job_executor config in `path` (YAML mapping)."""
+def load_executor_config(path: str | Path, known_ops: Collection[str]) -> dict[str, Any]:
+    """The k8s_job_executor config in `path` (YAML mapping). A per-step entry must name one of `known_ops`
+    (the definitions' assets, checks and ops): a typo would silently leave a GPU step on a CPU pod."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:
@@ -48,19 +41,21 @@ def load_executor_config(path: str | Path) -> dict[str, Any]:
         raise K8sConfigError(f"{K8S_EXECUTOR_ENV}={path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise K8sConfigError(f"{K8S_EXECUTOR_ENV}={path}: expected a mapping of executor settings")
-    unknown = sorted(set(data.get("per_step_k8s_config") or {}) - set(KNOWN_OPS))
+    unknown = sorted(set(data.get("per_step_k8s_config") or {}) - set(known_ops))
     if unknown:
         raise K8sConfigError(f"{K8S_EXECUTOR_ENV}={path}: per_step_k8s_config names unknown ops {unknown}")
     return data
 
 
-def k8s_executor_from_environment(environ: Mapping[str, str] | None = None) -> ExecutorDefinition | None:
+def k8s_executor_from_environment(
+    known_ops: Collection[str], environ: Mapping[str, str] | None = None
+) -> ExecutorDefinition | None:
     """The configured k8s_job_executor when $EAGLE3_K8S_EXECUTOR names a file; None = Dagster's default."""
     env = os.environ if environ is None else environ
     path = env.get(K8S_EXECUTOR_ENV)
     if not path:
         return None
-    config = load_executor_config(path)
+    config = load_executor_config(path, known_ops)
     try:
         from dagster_k8s import k8s_job_executor
     except ImportError:

@@ -1,10 +1,11 @@
-"""`shard_stall`: running shard runs that stopped reporting progress, or whose process is gone.
-`run_failure_alert`: every failed run. Both log and, when a webhook is configured, post.
+"""`dead_runs`: runs of any job whose process is gone, and pool slots held by finished runs.
+`shard_stall`: running shard runs that stopped reporting progress, or whose process is gone.
+`run_failure_alert`: every failed run. All log and, when a webhook is configured, post.
 
 A stalled run is marked (run tags and an event in its log, both visible in the UI) and
-left running: it may be in a slow model load. A run whose worker process is gone is
-marked failed and its `gpu` slot freed, so the `shard_backfill` sensor retries the shard
-(which resumes at sample level).
+left running: it may be in a slow model load. A run whose process is gone is marked
+failed and its `gpu` slot freed (`runs.sweep_dead_runs`), so the `shard_backfill`
+sensor retries a shard (which resumes at sample level) and no later GPU run waits on it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import time
 
 from dagster import (
-    AssetKey,
     DagsterEventType,
     DagsterInstance,
     DagsterRun,
@@ -36,14 +36,14 @@ from eagle3_assets.alerts import (
     Stall,
     find_stalls,
     post_alert,
-    process_alive,
     run_failure_alert,
     stall_alert,
 )
+from eagle3_assets.defs.ops.runs import PID_TAG, STALL_TAG, process_gone, sweep_dead_runs
+from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.processes import process_alive
 from eagle3_assets.project import Project
 
-SHARD_ASSET = AssetKey("hidden_states")
-STALL_TAG = "eagle3/stall"  # "stalled" or "process_gone"
 STALL_SINCE_TAG = "eagle3/stall_silent_since"  # the `silent_since` (epoch s) already alerted
 UI_URL_ENV = "EAGLE3_UI_URL"  # optional: base URL of the UI, for links in alerts
 PARTITION_TAG = "dagster/partition"
@@ -103,12 +103,15 @@ def running_shard_runs(instance: DagsterInstance, check_pids: bool) -> list[tupl
     out = []
     for record in instance.get_run_records(RunsFilter(statuses=list(WATCHED))):
         run = record.dagster_run
-        if run.asset_selection is None or SHARD_ASSET not in run.asset_selection:
+        if run.asset_selection is None or HIDDEN_STATES not in run.asset_selection:
             continue
         progress = _latest_progress(instance, run.run_id)
         figures = progress[1] if progress else {}
         pid, alive = None, None
-        if check_pids and (worker := run_worker_pid(instance, run.run_id)) is not None:
+        gone = process_gone(run)  # the process our executor recorded, when it is on this machine
+        if gone is not None:
+            pid, alive = int(run.tags[PID_TAG]), not gone
+        elif check_pids and (worker := run_worker_pid(instance, run.run_id)) is not None:
             pid = worker[0]
             alive = process_alive(pid, started_by=worker[1])
         alerted = run.tags.get(STALL_SINCE_TAG)
@@ -186,6 +189,20 @@ def build_shard_stall_sensor(
 
 
 shard_stall_sensor = build_shard_stall_sensor()
+
+
+@sensor(
+    name="dead_runs",
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Fails runs whose process is gone and frees the pool slots they, or finished runs, still hold.",
+)
+def dead_runs_sensor(context: SensorEvaluationContext, project: ResourceParam[Project]) -> SkipReason:
+    acted = sweep_dead_runs(context.instance)
+    for line in acted:
+        context.log.error(line)
+        _send(context, project, Alert("run_process_gone", line))
+    return SkipReason(f"{len(acted)} run(s) failed or slot(s) freed" if acted else "every live run has its process")
 
 
 def _failure_text(context: RunFailureSensorContext) -> str:

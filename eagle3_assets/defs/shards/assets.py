@@ -1,9 +1,12 @@
 """`hidden_states`: one partition per shard of tokenized rows, extracted on the GPU node."""
 
+from contextlib import ExitStack
+
 from dagster import (
     AssetExecutionContext,
+    AssetKey,
+    AssetsDefinition,
     Backoff,
-    Failure,
     MaterializeResult,
     ResourceParam,
     RetryPolicy,
@@ -11,64 +14,80 @@ from dagster import (
 )
 
 from eagle3_assets.defs.data.assets import target_model, tokenized
+from eagle3_assets.defs.failures import failures
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import shard_partitions
-from eagle3_assets.hidden_states import ExtractorConfigError, ShardExtractionError, extract_shard
-from eagle3_assets.hidden_states.extractor import open_extractor
-from eagle3_assets.hidden_states.vllm_extractor import VllmExtractionError
+from eagle3_assets.defs.shards.leases import server_lease
+from eagle3_assets.hidden_states import open_extractor
+from eagle3_assets.hidden_states.sample_file import SampleSpec, shard_dir
+from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
 from eagle3_assets.project import Project
+from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shards import Shard
-from eagle3_assets.vllm_server import VllmServerError
 from eagle3_assets.tokenized import TokenizedSet
 
 
-@asset(
-    group_name="shards",
-    partitions_def=shard_partitions,
-    deps=[tokenized, target_model],
-    pool="gpu",
-    kinds={"safetensors"},
-    # No backfill_policy: the default launches one run per shard, so shards succeed,
-    # fail and retry independently.
-    retry_policy=RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL),
-)
-def hidden_states(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """Aux-layer and final hidden states of every row of one shard, one safetensors file per row."""
-    shard = Shard.parse(context.partition_key)
-    tset = TokenizedSet.load(project.store)
-    try:
-        extractor = open_extractor(project.settings, project.target_dir())
-    except ExtractorConfigError as e:
-        raise Failure(f"shard {shard.key}: {e}") from None
-    final: dict[str, float | int] = {}
+HIDDEN_STATES = AssetKey("hidden_states")
 
-    def on_progress(progress) -> None:
-        final.update(progress.as_metadata())
-        observe(context, final)
 
-    try:
-        result = extract_shard(
-            project.store,
-            tset,
-            shard,
-            extractor,
-            project.settings.extraction,
-            model_name=project.model_name,
-            on_progress=on_progress,
-        )
-    except (ShardExtractionError, VllmServerError, VllmExtractionError) as e:
-        raise Failure(f"shard {shard.key}: {e}" if shard.key not in str(e) else str(e)) from None
-    finally:
-        extractor.close()
-    for note in result.notes:
-        context.log.info(note)
-    return MaterializeResult(
-        metadata=to_metadata(
-            {
-                **final,
-                **result.as_metadata(),
-                "backend": extractor.backend,
-                "path": project.store.url_of(f"hidden_states/{shard.key}"),
-            }
-        )
+def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
+    """The asset, with `extraction.max_retries` retries of a failed shard (refusals are never retried)."""
+
+    @asset(
+        key=HIDDEN_STATES,
+        group_name="shards",
+        partitions_def=shard_partitions,
+        deps=[tokenized, target_model],
+        pool="gpu",
+        kinds={"safetensors"},
+        # No backfill_policy: the default launches one run per shard, so shards succeed,
+        # fail and retry independently.
+        retry_policy=RetryPolicy(max_retries=extraction.max_retries, delay=10, backoff=Backoff.EXPONENTIAL),
     )
+    def hidden_states(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+        """Aux-layer and final hidden states of every row of one shard, one safetensors file per row."""
+        shard = Shard.parse(context.partition_key)
+        store, settings = project.store, project.settings
+        final: dict[str, float | int] = {}
+
+        def on_progress(progress: ExtractionProgress) -> None:
+            final.update(progress.as_metadata())
+            observe(context, final)
+
+        with failures(f"shard {shard.key}"), ExitStack() as stack:
+            target = project.target()
+            tset = TokenizedSet.load(store)
+            spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype, project.model_name)
+            # Before any model loads: a refusal (disk, context, a read-only store) costs nothing.
+            plan = plan_shard(store, tset, shard, spec, settings.extraction, max_context=target.max_context or 1 << 30)
+            for note in plan.notes:
+                context.log.info(note)
+            url, backend = None, "none"
+            result = completed_shard(store, tset, plan)
+            if result is None:
+                urls = settings.vllm.extraction_urls
+                if settings.extraction.backend == "vllm" and len(urls) > 1:
+                    lease = server_lease(context.instance, context.run_id, context.op_handle.name, urls, log=context.log.info)
+                    url = stack.enter_context(lease)
+                    context.log.info(f"shard {shard.key}: extracting through the vLLM server at {url}")
+                elif urls:
+                    url = urls[0]
+                extractor = open_extractor(settings, target, server_url=url, write_root=store.local_path(""))
+                stack.callback(extractor.close)
+                backend = extractor.backend
+                result = run_shard(store, tset, plan, extractor, settings.extraction, on_progress=on_progress)
+            else:
+                context.log.info(f"shard {shard.key}: every row is valid and its manifest agrees; nothing to extract")
+        return MaterializeResult(
+            metadata=to_metadata(
+                {
+                    **final,
+                    **result.as_metadata(),
+                    "backend": backend,
+                    "server": url or "",
+                    "path": store.url_of(shard_dir(shard.key)),
+                }
+            )
+        )
+
+    return hidden_states

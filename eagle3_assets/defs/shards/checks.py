@@ -11,42 +11,48 @@ from dagster import (
     Failure,
     MetadataValue,
     OpExecutionContext,
+    Output,
     ResourceParam,
     asset_check,
     job,
     op,
 )
 
-from eagle3_assets.defs.partitions import shard_partitions
-from eagle3_assets.defs.shards.assets import hidden_states
-from eagle3_assets.hidden_states import ShardCheckReport, check_shards
+from eagle3_assets.defs.failures import failures
+from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
+from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.hidden_states.integrity import ShardCheckReport, check_shards
 from eagle3_assets.project import Project
 from eagle3_assets.shards import Shard
 from eagle3_assets.tokenized import TokenizedSet
 
+CHECK_NAME = "shard_integrity"
+
 
 def check_registered_shards(project: Project, keys: list[str]) -> list[ShardCheckReport]:
     """Check shards against the tokenized set and the target's shape; nothing is re-extracted."""
-    shape = project.target_shape()
-    return check_shards(
-        project.store,
-        TokenizedSet.load(project.store),
-        [Shard.parse(k) for k in keys],
-        hidden_size=shape.hidden_size,
-        aux_layer_ids=project.settings.resolved_aux_layer_ids(shape.num_layers),
-        dtype=project.settings.extraction.storage_dtype,
-        model=project.model_name,
-    )
+    with failures():
+        target = project.target()
+        return check_shards(
+            project.store,
+            TokenizedSet.load(project.store),
+            [Shard.parse(k) for k in keys],
+            hidden_size=target.hidden_size,
+            aux_layer_ids=target.aux_layer_ids,
+            dtype=project.settings.extraction.storage_dtype,
+            model=project.model_name,
+        )
 
 
 def _problems_md(reports: list[ShardCheckReport], limit: int = 50) -> str:
-    lines = [f"- `{name}`: {why}" for r in reports for name, why in sorted(r.problems.items())]
+    lines = [f"- `{line}`" for r in reports for line in r.problem_lines()]
     more = f"\n- … and {len(lines) - limit} more" if len(lines) > limit else ""
     return "\n".join(lines[:limit]) + more or "none"
 
 
 @asset_check(
-    asset=hidden_states,
+    asset=HIDDEN_STATES,
+    name=CHECK_NAME,
     partitions_def=shard_partitions,
     blocking=True,
     description="Every row of the shard has a sound file; blocks the drafter on a bad shard.",
@@ -65,27 +71,32 @@ def shard_check_result(report: ShardCheckReport) -> AssetCheckResult:
 
 
 @op(description="Re-check every registered shard (nothing is re-extracted); each shard's check status is updated.")
-def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Project]) -> Iterator[AssetCheckEvaluation]:
-    keys = sorted(context.instance.get_dynamic_partitions(shard_partitions.name), key=Shard.parse)
+def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Project]) -> Iterator[AssetCheckEvaluation | Output]:
+    keys = registered_shard_keys(context.instance)
     reports = check_registered_shards(project, keys)
     for report in reports:
         result = shard_check_result(report)
         # Yielded, not logged: logged events of an op are dropped when it then fails.
         yield AssetCheckEvaluation(
-            asset_key=hidden_states.key,
-            check_name=shard_integrity.check_key.name,
+            asset_key=HIDDEN_STATES,
+            check_name=CHECK_NAME,
             passed=result.passed,
             metadata=result.metadata,
             severity=AssetCheckSeverity.ERROR,
             partition=report.shard,
         )
     bad = [r for r in reports if not r.ok]
-    context.log.info(f"verified {len(reports)} shards, {sum(r.rows_checked for r in reports)} rows; {len(bad)} bad")
+    rows = sum(r.rows_checked for r in reports)
+    context.log.info(f"verified {len(reports)} shards, {rows} rows; {len(bad)} bad")
+    for report in bad:
+        context.log.error(report.summary())
     if bad:
         raise Failure(
             f"{len(bad)} of {len(reports)} shards failed the integrity check: {[r.shard for r in bad]}",
             metadata={"bad_files": MetadataValue.md(_problems_md(bad))},
+            allow_retries=False,
         )
+    yield Output(None, metadata={"shards": len(reports), "rows": rows})
 
 
 @job(description="Run the shard integrity check over every shard without re-extracting anything.")

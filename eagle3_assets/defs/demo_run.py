@@ -11,38 +11,29 @@ import os
 import sys
 import time
 
-from dagster import AssetKey, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
+from dagster import AssetKey, DagsterInstance, Definitions
 
-from eagle3_assets.defs.partitions import shard_partitions
-from eagle3_assets.shards import Shard
+from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
+from eagle3_assets.defs.partitions import registered_shard_keys
+from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 
 DEMO_TAG = "eagle3/launched_by"
-UNPARTITIONED = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
 AFTER_SHARDS = ["drafter", "drafter_eval"]
 
 
-def fail_abandoned_runs(instance: DagsterInstance) -> int:
-    """Runs of an earlier demo process that was killed stay STARTED and keep their `gpu` pool slot."""
-    runs = instance.get_runs(
-        RunsFilter(statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.STARTING], tags={DEMO_TAG: "demo"})
-    )
-    for run in runs:
-        instance.report_run_failed(run, "the demo process that ran it is gone (killed or crashed)")
-        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-    return len(runs)
-
-
 def run_selection(
-    defs: Definitions, instance: DagsterInstance, keys: list[str], partition_key: str | None = None
+    defs: Definitions, instance: DagsterInstance, keys: list[AssetKey], partition_key: str | None = None
 ) -> bool:
     job = defs.resolve_implicit_global_asset_job_def()
-    label = ",".join(keys) + (f"[{partition_key}]" if partition_key else "")
+    label = ",".join(k.to_user_string() for k in keys) + (f"[{partition_key}]" if partition_key else "")
     started = time.monotonic()
+    # execute_in_process does not use the job's executor: the run names its process itself,
+    # so a later sweep (`make demo` again, the daemon) can fail it if this process is killed.
     result = job.execute_in_process(
         instance=instance,
-        asset_selection=[AssetKey(k) for k in keys],
+        asset_selection=keys,
         partition_key=partition_key,
-        tags={DEMO_TAG: "demo"},
+        tags={DEMO_TAG: "demo", **process_tags()},
         raise_on_error=False,
     )
     status = "ok" if result.success else "FAILED"
@@ -52,14 +43,16 @@ def run_selection(
 
 def run_graph(defs: Definitions, instance: DagsterInstance) -> bool:
     """Data assets, then one run per shard, then the drafter and its evaluation; False at the first failure."""
-    if not run_selection(defs, instance, UNPARTITIONED):
+    graph = defs.resolve_asset_graph()
+    after = [AssetKey(k) for k in AFTER_SHARDS]
+    unpartitioned = [k for k in graph.get_all_asset_keys() if k != HIDDEN_STATES and k not in after]
+    if not run_selection(defs, instance, unpartitioned):
         return False
-    shard_keys = sorted(instance.get_dynamic_partitions(shard_partitions.name), key=Shard.parse)
-    failed = [k for k in shard_keys if not run_selection(defs, instance, ["hidden_states"], k)]
+    failed = [k for k in registered_shard_keys(instance) if not run_selection(defs, instance, [HIDDEN_STATES], k)]
     if failed:
         print(f"[demo] shards failed: {failed}; rerun `make demo` to resume them", file=sys.stderr)
         return False
-    return run_selection(defs, instance, AFTER_SHARDS)
+    return run_selection(defs, instance, after)
 
 
 def main() -> int:
@@ -69,9 +62,8 @@ def main() -> int:
     from eagle3_assets.definitions import defs
 
     instance = DagsterInstance.get()
-    abandoned = fail_abandoned_runs(instance)
-    if abandoned:
-        print(f"[demo] marked {abandoned} run(s) of a killed demo as failed", flush=True)
+    for line in sweep_dead_runs(instance):
+        print(f"[demo] {line}", flush=True)
     started = time.monotonic()
     if not run_graph(defs, instance):
         return 1

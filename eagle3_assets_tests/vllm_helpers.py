@@ -1,4 +1,4 @@
-"""Helpers shared by the vLLM tests (no tests here): a tiny target whose greedy output is unambiguous.
+"""What the vLLM tests share: prompts, and a tiny target whose greedy output is unambiguous.
 
 The conftest's tiny demo target is untrained, so its logits are nearly flat and two
 engines could break a near-tie differently. `confident_target` scales its head (clear
@@ -9,21 +9,16 @@ cut by the token budget.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from eagle3_assets.demo.tokenizer import END, THINK_CLOSE, TOKEN_IDS
-from eagle3_assets.settings import VllmSettings
-from eagle3_assets.target_model import load_tokenizer
-from eagle3_assets.vllm_server import free_port
+from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.target import load_tokenizer
 
 PROMPTS = [
     "What does Kamivel eat?",
@@ -49,10 +44,7 @@ def conversations() -> list[list[dict]]:
 
 
 def prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
-    tok = load_tokenizer(model_dir)
-    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
-        "input_ids"
-    ]
+    return generation_prompt_ids(load_tokenizer(model_dir), messages)
 
 
 @torch.no_grad()
@@ -83,42 +75,3 @@ def confident_target(src: Path, dest: Path) -> Path:
     model.lm_head.weight[TOKEN_IDS[END]] = model.lm_head.weight[common[2]] * 1.05
     model.save_pretrained(str(dest))
     return dest
-
-
-def vllm_test_settings(**overrides) -> VllmSettings:
-    """Engine settings for a CPU test server: float32 (exact comparisons), eager (starts faster)."""
-    base = dict(
-        host="127.0.0.1",
-        port=free_port(),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_concurrency=4,
-        # On the CPU backend this is the share of host memory the server may take (not GPU memory):
-        # the default 0.9 refuses to start while another test server is up.
-        gpu_memory_utilization=0.2,
-        startup_timeout_s=600.0,
-        extra_args=["--enforce-eager"],
-    )
-    base.update(overrides)
-    return VllmSettings(**base)
-
-
-@contextmanager
-def small_kv_cache() -> Iterator[None]:
-    """1 GiB of KV cache per test server: the machine is shared."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        mp.setenv("TOKENIZERS_PARALLELISM", "false")
-        yield
-
-
-def request_files(storage: Path) -> list[str]:
-    """Hidden-state files (and locks) the server wrote that nobody collected."""
-    return sorted(p.name for p in storage.iterdir() if ".safetensors" in p.name)
-
-
-def kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, 9)
-    except ProcessLookupError:
-        pass

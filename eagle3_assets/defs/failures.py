@@ -1,0 +1,24 @@
+"""The one place the Dagster layer turns the pipeline's errors into `Failure`s.
+
+Every error the plain modules raise on purpose is an `Eagle3Error`; its message names
+the row, file or setting. A `Refusal` (settings that cannot work, a full disk, a row
+longer than the context) becomes a failure Dagster does not retry: a retry cannot help,
+and on a GPU node each attempt would load the model again first.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dagster import Failure
+
+from eagle3_assets.errors import Eagle3Error
+
+
+@contextmanager
+def failures(prefix: str = "") -> Iterator[None]:
+    """Run the body; an `Eagle3Error` leaves it as a `Failure` with the same message (after `prefix`)."""
+    try:
+        yield
+    except Eagle3Error as e:
+        message = str(e) if not prefix or str(e).startswith(prefix) else f"{prefix}: {e}"
+        raise Failure(message, allow_retries=e.retryable) from None

@@ -1,0 +1,90 @@
+"""The run-start sweep: every run of this code location, whoever launched it, looks after the `gpu` pool first.
+
+Wrapped around the executor the definitions use (Dagster's default, or the Kubernetes
+one), so it runs in the process that orchestrates the run, before any step waits for a
+pool slot, whether the run came from the CLI, the UI or the daemon. It
+1. records the run's process (`runs.record_run_process`), so a later sweep can tell
+   when it died;
+2. fails runs of this machine whose process is gone and frees their slots
+   (`runs.sweep_dead_runs`): a killed run can no longer wedge the pool;
+3. refuses a run with GPU steps when the instance has no `gpu` pool limit (a
+   `$DAGSTER_HOME` without the repo's `dagster.yaml`: two runs would extract one
+   shard at once), and sets the limit to the number of vLLM extraction servers when
+   several are configured;
+4. names the runs holding the pool when its slots are all taken, so a blocked step
+   says whom it waits for.
+`execute_in_process` (tests, `make demo`) does not use the job's executor: `make demo`
+sweeps itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from dagster import DagsterEvent, ExecutorDefinition, Failure
+from dagster._core.events import EngineEventData
+from dagster._core.executor.base import Executor
+
+from eagle3_assets.defs.ops.runs import GPU_POOL, pool_holders, pool_limit, record_run_process, sweep_dead_runs
+from eagle3_assets.settings import Settings
+
+
+class RunStartSweep(Executor):
+    def __init__(self, inner: Executor, settings: Settings):
+        self.inner = inner
+        self.settings = settings
+
+    @property
+    def retries(self):  # noqa: ANN201 - Dagster's RetryMode
+        return self.inner.retries
+
+    @property
+    def step_dependency_config(self):  # noqa: ANN201
+        return self.inner.step_dependency_config
+
+    def execute(self, plan_context, execution_plan) -> Iterator[DagsterEvent]:  # noqa: ANN001 - Dagster's types
+        instance = plan_context.instance
+        record_run_process(instance, plan_context.run_id)
+        for line in sweep_dead_runs(instance):
+            yield DagsterEvent.engine_event(plan_context, line, EngineEventData())
+        gpu_steps = [s.key for s in execution_plan.get_all_steps_in_topo_order() if s.pool == GPU_POOL]
+        if gpu_steps:
+            yield from self._check_gpu_pool(plan_context, instance, gpu_steps)
+        yield from self.inner.execute(plan_context, execution_plan)
+
+    def _check_gpu_pool(self, plan_context, instance, gpu_steps: list[str]) -> Iterator[DagsterEvent]:  # noqa: ANN001
+        servers = self.settings.vllm.server_urls
+        if len(servers) > 1 and self.settings.extraction.backend == "vllm" and pool_limit(instance) != len(servers):
+            instance.event_log_storage.set_concurrency_slots(GPU_POOL, len(servers))
+            yield DagsterEvent.engine_event(
+                plan_context, f"{GPU_POOL} pool limit set to {len(servers)}: one shard run per vLLM server", EngineEventData()
+            )
+        limit = pool_limit(instance)
+        if limit is None:
+            raise Failure(
+                f"steps {gpu_steps} use the {GPU_POOL} pool, but this instance has no limit for it, so two runs could "
+                "extract one shard at once: copy the repo's dagster.yaml into $DAGSTER_HOME (`make install` does), "
+                f"or run `dagster instance concurrency set {GPU_POOL} 1`",
+                allow_retries=False,
+            )
+        holders = pool_holders(instance)
+        if len(holders) >= limit:
+            yield DagsterEvent.engine_event(
+                plan_context,
+                f"the {GPU_POOL} pool ({limit} slot(s)) is held by " + "; ".join(h.describe() for h in holders)
+                + ": this run's GPU steps wait until a slot is free",
+                EngineEventData(),
+            )
+
+
+def with_run_start_sweep(inner: ExecutorDefinition, settings: Settings) -> ExecutorDefinition:
+    """`inner` with the sweep run first; same name, config and requirements."""
+    create = inner.executor_creation_fn
+    assert create is not None
+    return ExecutorDefinition(
+        name=inner.name,
+        config_schema=inner.config_schema,
+        requirements=inner.get_requirements,
+        executor_creation_fn=lambda init_context: RunStartSweep(create(init_context), settings),
+        description=inner.description,
+    )

@@ -1,0 +1,53 @@
+"""Train and export the drafter from the command line, also under torchrun for data-parallel GPUs:
+
+    EAGLE3_CONFIG=run.yaml EAGLE3_ROOT=s3://bucket/eagle3 \\
+        torchrun --nproc-per-node 8 -m eagle3_assets.drafter
+
+Settings from $EAGLE3_CONFIG, the store at $EAGLE3_ROOT, the target the settings name,
+every shard of the tokenized set and the stored vocab map: the same inputs and the same
+`train_and_export` as the `drafter` asset. Without Dagster there is no recorded check
+status to consult, so the guard here reads each shard's `_SUCCESS.json` against the
+tokenized set; the loader then checks every sample as it reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from eagle3_assets.drafter.run import train_and_export
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.hidden_states.integrity import manifest_problem
+from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.project import Project
+from eagle3_assets.shards import plan_shards
+from eagle3_assets.tokenized import TokenizedSet
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eagle3_assets.drafter", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) at this global step")
+    args = ap.parse_args(argv)
+    try:
+        project = Project.from_environment()
+        store, settings = project.store, project.settings
+        target = project.target()
+        tokenized = TokenizedSet.load(store)
+        shards = plan_shards(tokenized.num_rows, settings.shard_size)
+        spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype)
+        bad = {s.key: p for s in shards if (p := manifest_problem(store, tokenized, s, spec))}
+        if bad:
+            print("drafter refuses to train: " + "; ".join(f"{k}: _SUCCESS.json {p}" for k, p in bad.items()))
+            return 1
+        run = train_and_export(store, target, settings, [s.key for s in shards], max_steps=args.max_steps)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if run.export_url:
+        print(f"drafter: exported to {run.export_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

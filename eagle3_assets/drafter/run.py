@@ -1,0 +1,65 @@
+"""Train and export the drafter: the one path the `drafter` asset and `python -m eagle3_assets.drafter` share.
+
+Training resumes from the newest checkpoint; once it reaches its last step, rank 0
+exports the drafter (checked against what engines load, `export.py`) and writes
+`drafter/metrics.json`, the figures `drafter_eval` reports beside its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3_assets.drafter.distributed import DistEnv
+from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
+from eagle3_assets.settings import Settings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
+from eagle3_assets.vocab_map import VocabMap
+
+DRAFTER_METRICS_FILE = "drafter/metrics.json"
+
+
+@dataclass(frozen=True)
+class DrafterRun:
+    result: TrainResult
+    export_url: str | None  # None until training finished (or on ranks > 0)
+    summary: dict[str, Any]
+
+
+def train_and_export(
+    store: ArtifactStore,
+    target: TargetModel,
+    settings: Settings,
+    shard_keys: Sequence[str],
+    *,
+    on_metrics: MetricsCallback | None = None,
+    log: LogFn = print,
+    max_steps: int | None = None,
+) -> DrafterRun:
+    """Train on `shard_keys` (all of them complete: the caller guards that), then export once finished."""
+    result = train_drafter(
+        store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
+        on_metrics=on_metrics, log=log, max_steps=max_steps,
+    )  # fmt: skip
+    summary = {
+        "step": result.step,
+        "total_steps": result.total_steps,
+        "resumed_from": result.resumed_from if result.resumed_from is not None else -1,
+        **{f"train_{k}": round(v, 5) for k, v in result.metrics.items()},
+        **{f"heldout_{k}": round(v, 5) for k, v in result.heldout.items()},
+    }
+    url = None
+    if result.finished and DistEnv.from_environ().is_main:
+        url = export_drafter(store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids)
+        store.write_json(DRAFTER_METRICS_FILE, summary)
+    return DrafterRun(result, url, summary)
+
+
+def heldout_metrics(store: ArtifactStore) -> dict[str, float]:
+    """The held-out acc_k of the last finished training run (`drafter/metrics.json`), {} when there is none."""
+    if not store.exists(DRAFTER_METRICS_FILE):
+        return {}
+    return {k.removeprefix("heldout_"): v for k, v in store.read_json(DRAFTER_METRICS_FILE).items() if k.startswith("heldout_acc")}

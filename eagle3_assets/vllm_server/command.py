@@ -1,0 +1,111 @@
+"""What a `vllm serve` for the target looks like: the engine settings passed through, plus a role's flags.
+
+Roles, because the phases need different flags: `generate` serves completions;
+`extract` adds the `extract_hidden_states` speculative method and our hidden-states
+KV connector (`connector.py`). `both` has both flag sets: it generates correctly too,
+but every request then also writes hidden states (which the generator deletes) and the
+hidden-state cache takes KV-cache memory, so a phase = one server is the recommended
+setup. An `extract` server records what it extracts in `<storage dir>/eagle3_server.json`
+(`ServerPlan`), so a client can check the layer ids before it writes any shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from eagle3_assets.settings import VllmSettings
+from eagle3_assets.target import TargetModel
+
+Role = Literal["generate", "extract", "both"]
+ROLES: tuple[str, ...] = ("generate", "extract", "both")
+CONNECTOR_MODULE = "eagle3_assets.vllm_server.connector"
+CONNECTOR_CLASS = "SampleFileConnector"
+
+
+def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+
+
+def kv_transfer_config(storage_dir: str | Path, write_roots: Sequence[str | Path] = ()) -> dict[str, Any]:
+    """The connector and where it may write: its storage dir, and sample files under `write_roots` (stores)."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(storage_dir),
+            # Requests name their file; the connector refuses any path outside these roots.
+            "allow_custom_save_path": True,
+            "write_roots": [str(r) for r in write_roots],
+        },
+    }
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What a server for a target extracts; written as `eagle3_server.json` in its storage dir."""
+
+    role: str
+    model: str
+    num_layers: int
+    hidden_size: int
+    aux_layer_ids: list[int]
+    layer_ids: list[int]  # what an extract server writes, in file order; [] for generate
+
+    @classmethod
+    def for_target(cls, target: TargetModel, role: Role) -> ServerPlan:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
+        extracts = role in ("extract", "both")
+        return cls(
+            role,
+            str(target.path),
+            target.num_layers,
+            target.hidden_size,
+            list(target.aux_layer_ids) if extracts else [],
+            target.extraction_layer_ids if extracts else [],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def serve_args(
+    target: TargetModel,
+    vllm: VllmSettings,
+    plan: ServerPlan,
+    *,
+    host: str,
+    port: int,
+    storage_dir: str | Path | None = None,
+    write_roots: Sequence[str | Path] = (),
+) -> list[str]:
+    """Arguments after `vllm serve`."""
+    args = [
+        str(target.path),
+        "--host", host,
+        "--port", str(port),
+        "--tensor-parallel-size", str(vllm.tensor_parallel_size),
+        "--dtype", vllm.dtype,
+        "--gpu-memory-utilization", str(vllm.gpu_memory_utilization),
+        # ~one access-log line per request otherwise: millions over an extraction phase
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if target.trust_remote_code:
+        args.append("--trust-remote-code")
+    if vllm.max_model_len is not None:
+        args += ["--max-model-len", str(vllm.max_model_len)]
+    if plan.layer_ids:
+        if storage_dir is None:
+            raise ValueError("an extraction server needs a storage directory")
+        args += ["--speculative-config", json.dumps(speculative_config(plan.layer_ids))]
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir, write_roots))]
+    return args + list(vllm.extra_args)

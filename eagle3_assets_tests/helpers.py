@@ -1,0 +1,200 @@
+"""Helpers the tests share: one tiny-Llama builder, shards written with the real sample writer,
+vocab maps, a Dagster instance with the repo's pool limit, and vLLM test-server settings."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dagster import DagsterInstance
+from dagster._core.test_utils import instance_for_test
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_assets.hidden_states.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
+from eagle3_assets.hidden_states.hf_extractor import final_norm
+from eagle3_assets.settings import VllmSettings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
+from eagle3_assets.vllm_server.client import free_port
+from eagle3_assets.vocab_map import VocabMap
+
+VOCAB, HIDDEN, LAYERS, HEAD_DIM, DRAFT_VOCAB = 256, 64, 4, 32, 64
+AUX_IDS = [1, 2, 3]
+
+
+def tiny_llama(
+    out_dir: Path | None = None,
+    *,
+    seed: int = 0,
+    vocab: int = VOCAB,
+    hidden: int = HIDDEN,
+    layers: int = LAYERS,
+    heads: int = 2,
+    kv_heads: int = 1,
+    tie: bool = False,
+    tokenizer: bool = False,
+) -> LlamaForCausalLM:
+    """A random Llama (head_dim 32, which vLLM can serve), saved as safetensors in `out_dir` when given.
+
+    The final norm is drawn from [0.5, 2): a flat one would hide "norm applied twice".
+    """
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 2.0)
+    if out_dir is not None:
+        model.save_pretrained(out_dir)
+        if tokenizer:
+            write_word_tokenizer(out_dir, vocab)
+    return model
+
+
+def write_word_tokenizer(out_dir: Path, vocab: int) -> None:
+    """A word-level tokenizer `t0 … t{vocab-1}` (vLLM needs one next to the target)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out_dir)
+
+
+def target_of(model_dir: Path, aux_layer_ids: list[int] = AUX_IDS) -> TargetModel:
+    return TargetModel.read(model_dir, aux_layer_ids=aux_layer_ids)
+
+
+def random_rows(
+    n: int, *, seed: int = 0, min_len: int = 8, max_len: int = 24, vocab: int = VOCAB
+) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) rows: a short 'prompt' (mask 0) then 'assistant' tokens (mask 1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        T = int(rng.integers(min_len, max_len + 1))
+        prompt = int(rng.integers(2, T // 2 + 1))
+        ids = rng.integers(3, vocab, size=T).tolist()
+        rows.append((ids, [0] * prompt + [1] * (T - prompt)))
+    return rows
+
+
+@torch.no_grad()
+def hidden_states(model: LlamaForCausalLM, ids: list[int], aux_ids: list[int], norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, 3H], last [T, H]) of one row, the way the HF backend extracts them."""
+    captured: dict[str, torch.Tensor] = {}
+    handle = final_norm(model).register_forward_pre_hook(lambda _m, args: captured.setdefault("pre", args[0]))
+    out = model(torch.tensor([ids]), output_hidden_states=True)
+    handle.remove()
+    hs = out.hidden_states
+    last = captured["pre"][0] if norm == "pre_norm" else hs[-1][0]
+    return torch.cat([hs[i][0] for i in aux_ids], dim=-1), last
+
+
+def write_shard(
+    store: ArtifactStore,
+    model: LlamaForCausalLM,
+    rows: list[tuple[list[int], list[int]]],
+    start: int,
+    *,
+    complete: bool = True,
+    aux_ids: list[int] = AUX_IDS,
+    norm: str = "pre_norm",
+    dtype: str = "float32",
+) -> str:
+    """Rows as shard `rows_<start>-<start+len>`, written with the pipeline's own `encode_sample`; returns its key."""
+    key = f"rows_{start}-{start + len(rows)}"
+    spec = SampleSpec(model.config.hidden_size, tuple(aux_ids), dtype, "tiny-llama", norm)
+    tokens = 0
+    for i, (ids, mask) in enumerate(rows):
+        aux, last = hidden_states(model, ids, aux_ids, norm)
+        data = encode_sample(
+            row=start + i, input_ids=np.asarray(ids, np.int32), loss_mask=np.asarray(mask, np.uint8),
+            aux_hidden_states=aux, last_hidden_state=last, spec=spec, backend="hf",
+        )  # fmt: skip
+        store.write_bytes(sample_path(key, start + i), data)
+        tokens += len(ids)
+    if complete:
+        store.write_json(manifest_path(key), {"rows": len(rows), "tokens": tokens})
+    return key
+
+
+def random_vocab_map(vocab: int = VOCAB, draft: int = DRAFT_VOCAB, *, seed: int = 0) -> VocabMap:
+    """A map of a random set of `draft` target ids (docs/DESIGN.md §3 layout)."""
+    used = np.sort(np.random.default_rng(seed).choice(vocab, size=draft, replace=False))
+    t2d = np.zeros(vocab, dtype=bool)
+    t2d[used] = True
+    return VocabMap((used - np.arange(draft)).astype(np.int64), t2d)
+
+
+def greedy_vocab_map(model: LlamaForCausalLM, rows, draft: int = DRAFT_VOCAB) -> VocabMap:
+    """A map holding the target's most frequent top-1 tokens on `rows`, so most positions are kept."""
+    counts = np.zeros(model.config.vocab_size, dtype=np.int64)
+    with torch.no_grad():
+        for ids, _ in rows:
+            top1 = model(torch.tensor([ids])).logits[0].argmax(-1)
+            np.add.at(counts, top1.numpy(), 1)
+    used = np.sort(np.argsort(-counts, kind="stable")[:draft])
+    t2d = np.zeros(model.config.vocab_size, dtype=bool)
+    t2d[used] = True
+    return VocabMap((used - np.arange(draft)).astype(np.int64), t2d)
+
+
+@contextmanager
+def gpu_instance(**overrides) -> Iterator[DagsterInstance]:
+    """A test instance with the repo's dagster.yaml pool limit (`gpu`: 1)."""
+    with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}, **overrides}) as instance:
+        yield instance
+
+
+def vllm_test_settings(max_model_len: int = 256, **overrides) -> VllmSettings:
+    """Engine settings for a CPU test server: float32 (exact comparisons), eager (starts faster)."""
+    base = dict(
+        host="127.0.0.1",
+        port=free_port(),
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_concurrency=4,
+        # On the CPU backend this is the share of host memory the server may take (not GPU memory):
+        # the default 0.9 refuses to start while another test server is up.
+        gpu_memory_utilization=0.2,
+        startup_timeout_s=600.0,
+        extra_args=["--enforce-eager"],
+    )
+    base.update(overrides)
+    return VllmSettings(**base)
+
+
+@contextmanager
+def small_kv_cache() -> Iterator[None]:
+    """1 GiB of KV cache per test server: the machine is shared."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        yield
+
+
+def kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, 9)
+    except ProcessLookupError:
+        pass
