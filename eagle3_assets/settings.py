@@ -13,7 +13,7 @@ from typing import Literal
 
 import fsspec
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3_assets.errors import Refusal
 
@@ -80,6 +80,7 @@ class TrainingSettings(_Section):
     lr: float = Field(1e-4, gt=0.0)
     warmup_steps: int = Field(100, ge=0)
     epochs: float = Field(2.0, gt=0.0)
+    steps: int | None = Field(None, ge=1, description="optimizer steps of the whole schedule, instead of epochs")
     batch_tokens: int = Field(8192, ge=1, description="tokens per optimizer step (padded)")
     grad_clip: float = Field(0.5, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -87,6 +88,29 @@ class TrainingSettings(_Section):
     checkpoint_every: int = Field(200, ge=1, description="optimizer steps between resumable checkpoints")
     heldout_rows: int = Field(64, ge=0, description="rows held out of training to report acc_k")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The recipe (docs/DESIGN.md §5 and BENCHMARKS.md's ablation say what each one buys).
+    norm_before_fc: bool = Field(False, description="RMSNorm over the fused aux features before fc")
+    norm_before_residual: bool = Field(False, description="the layer's residual is the normed hidden state")
+    norm_output: bool = Field(False, description="each TTT step feeds the next one its normed output")
+    train_lm_head: bool = Field(True, description="train lm_head (started from the target's rows) or keep it frozen")
+    loss: Literal["soft_ce", "kl", "lk"] = Field("soft_ce", description="soft cross-entropy, KL, or -log acceptance")
+    loss_positions: Literal["predicted", "input"] = Field(
+        "predicted", description="a prediction is trained when the predicted token is generated, or the input token"
+    )
+    serve_with: list[Literal["vllm", "sglang"]] = Field(
+        default_factory=lambda: ["vllm", "sglang"], description="engines the export must serve in"
+    )
+
+    @model_validator(mode="after")
+    def _servable(self) -> TrainingSettings:
+        if "sglang" in self.serve_with:
+            flags = [f for f in ("norm_before_fc", "norm_before_residual", "norm_output") if getattr(self, f)]
+            if flags:
+                raise ValueError(
+                    f"{', '.join(flags)}: SGLang's EAGLE-3 drafter has no such option and would serve this export "
+                    "without it, drafting wrongly; remove 'sglang' from training.serve_with to use it (vLLM reads it)"
+                )
+        return self
 
 
 class VllmSettings(_Section):

@@ -1,7 +1,7 @@
 """The artifact store: every artifact the pipeline writes goes through here.
 
 The root is any fsspec URL (`/data/eagle3`, `file:///data/eagle3`, `memory://run`,
-`s3://bucket/eagle3`). Writes are atomic (DESIGN §2): bytes go to a temporary name
+`s3://bucket/eagle3`). Writes are atomic (docs/DESIGN.md §2): bytes go to a temporary name
 in the same directory and are renamed into place, so a crash never leaves a file
 that looks complete. Temporary names start with a dot and are never listed.
 """

@@ -4,6 +4,9 @@ vocab maps, a Dagster instance with the repo's pool limit, and vLLM test-server 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +26,7 @@ from eagle3_assets.target import TargetModel
 from eagle3_assets.vllm_server.client import free_port
 from eagle3_assets.vocab_map import VocabMap
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, LAYERS, HEAD_DIM, DRAFT_VOCAB = 256, 64, 4, 32, 64
 AUX_IDS = [1, 2, 3]
 
@@ -38,6 +42,7 @@ def tiny_llama(
     kv_heads: int = 1,
     tie: bool = False,
     tokenizer: bool = False,
+    rope_parameters: dict | None = None,
 ) -> LlamaForCausalLM:
     """A random Llama (head_dim 32, which vLLM can serve), saved as safetensors in `out_dir` when given.
 
@@ -57,6 +62,7 @@ def tiny_llama(
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
+        **({"rope_parameters": rope_parameters} if rope_parameters else {}),
     )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -198,3 +204,50 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, 9)
     except ProcessLookupError:
         pass
+
+
+class Operator:
+    """What an operator has on a node: a $DAGSTER_HOME (with the repo's dagster.yaml, or not), a
+    settings file and a store holding the tiny demo target; and the CLI run against them."""
+
+    def __init__(self, tmp: Path, tiny_target_dir: Path, *, pool_limit: bool = True, **overrides):
+        from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
+
+        from .conftest import TINY_DEMO, tiny_settings
+
+        self.home, self.root = tmp / "home", tmp / "root"
+        self.home.mkdir()
+        if pool_limit:
+            shutil.copy(REPO / "dagster.yaml", self.home / "dagster.yaml")
+        settings = tiny_settings(**overrides)
+        (tmp / "eagle3.yaml").write_text(settings.model_dump_json())  # JSON is YAML
+        store = ArtifactStore(self.root)
+        store.put_dir(tiny_target_dir, DEMO_MODEL_DIR)  # the demo target `target_model` would build, cached
+        store.write_json(DEMO_MODEL_SETTINGS, TINY_DEMO.model_dump())
+        self.env = {
+            **os.environ, "DAGSTER_HOME": str(self.home), "EAGLE3_CONFIG": str(tmp / "eagle3.yaml"),
+            "EAGLE3_ROOT": str(self.root), "PYTHONUNBUFFERED": "1",
+        }  # fmt: skip
+        self.project = Project(settings, store)
+
+    def materialize(self, select: str, partition: str | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
+               "--select", select] + (["--partition", partition] if partition else [])  # fmt: skip
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def instance(self) -> DagsterInstance:
+        return DagsterInstance.from_config(str(self.home))
+
+    def data_assets(self) -> None:
+        """prompts … vocab_map, in this process, into the operator's instance (shard keys registered)."""
+        from dagster import AssetKey
+
+        from eagle3_assets.definitions import build_definitions
+
+        keys = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
+        with self.instance() as instance:
+            job = build_definitions(self.project).resolve_implicit_global_asset_job_def()
+            assert job.execute_in_process(instance=instance, asset_selection=[AssetKey(k) for k in keys]).success

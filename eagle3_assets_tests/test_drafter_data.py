@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from eagle3_assets.drafter.data import (
@@ -180,3 +181,37 @@ def test_the_test_shards_are_written_by_the_pipelines_own_writer_in_the_contract
     assert json.loads(meta["aux_layer_ids"]) == [1, 2, 3]
     assert meta["last_hidden_state_norm"] == "pre_norm"
     assert store.read_json(f"hidden_states/{key}/_SUCCESS.json") == {"rows": 1, "tokens": 10}
+
+
+def test_float8_samples_are_loaded_dequantized(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    rows = random_rows(3, seed=5)
+    exact = write_shard(store, model, rows, 0)
+    fp8 = write_shard(store, model, rows, 3, dtype="float8_e4m3fn")
+    refs, fmt = index_samples(store, [fp8])
+    assert fmt.storage_dtype == "float8_e4m3fn"
+    got = BatchLoader(store, refs, batch_tokens=10**6, seed=0).load([0, 1, 2])
+    want = BatchLoader(store, index_samples(store, [exact])[0], batch_tokens=10**6, seed=0).load([0, 1, 2])
+    assert got.aux.dtype == torch.bfloat16 and torch.equal(got.input_ids, want.input_ids)
+    rel = (got.aux.float() - want.aux).norm() / want.aux.norm()
+    assert 0 < rel < 0.05, rel  # e4m3: about 2% relative error per value
+
+
+def test_a_non_finite_sample_is_refused_by_file_name_as_it_is_read(tmp_path, model):
+    """A shard corrupted after its check passed: the loader names the file instead of training on NaN."""
+    store = ArtifactStore(tmp_path)
+    key = write_shard(store, model, random_rows(3, seed=2), 0)
+    rel = f"hidden_states/{key}/1.safetensors"
+    tensors = st_load(store.read_bytes(rel))
+    tensors["aux_hidden_states"][4, 7] = float("nan")
+    with store.open(rel) as f:
+        header, _ = read_header(f)
+    store.write_bytes(rel, st_save(tensors, metadata=header["__metadata__"]))
+    refs, _ = index_samples(store, [key])  # headers still fine
+    loader = BatchLoader(store, refs, batch_tokens=10**6, seed=0)
+    with pytest.raises(DataError) as e:
+        loader.load([0, 1, 2])
+    assert str(e.value) == (
+        f"{store.url_of(rel)}: aux_hidden_states has 1 non-finite values; re-extract it "
+        "(run the `verify_shards` job, then materialize the shard it names)"
+    )

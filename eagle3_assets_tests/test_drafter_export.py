@@ -73,6 +73,8 @@ def test_export_writes_exact_tensors_and_config(tmp_path):
         "attention_bias": False,
         "mlp_bias": False,
         "norm_before_residual": False,
+        "norm_before_fc": False,
+        "norm_output": False,
         "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
         "torch_dtype": "bfloat16",

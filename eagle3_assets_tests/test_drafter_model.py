@@ -99,7 +99,7 @@ def naive_unroll(model: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, ste
         emb = model.embed_tokens(tok)
         x = torch.cat([rms_norm(emb, layer.input_layernorm.weight, cfg.rms_norm_eps),
                        rms_norm(hidden, layer.hidden_norm.weight, cfg.rms_norm_eps)], -1)
-        cos, sin = rotary_cos_sin(torch.arange(T) + k, cfg.head_dim, cfg.rope_theta)  # position t + k
+        cos, sin = rotary_cos_sin(torch.arange(T) + k, model.inv_freq)  # position t + k
 
         def rope(z):  # z [heads, T, hd]
             z1, z2 = z.chunk(2, -1)
@@ -192,7 +192,7 @@ def test_config_from_target_config_and_bad_shapes():
         "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
     }
     cfg = DrafterConfig.from_target(TargetModel.from_config({"text_config": target}, path="kimi"), draft_vocab_size=32000)
-    assert (cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings) == (112, 50000.0, 262144)
+    assert (cfg.head_dim, cfg.rope, cfg.max_position_embeddings) == (112, {"rope_type": "default", "rope_theta": 50000.0}, 262144)
     assert (cfg.intermediate_size, cfg.num_key_value_heads) == (18432, 64)
     with pytest.raises(ValueError, match="head_dim 16 < 32"):
         DrafterConfig.from_target(TargetModel.from_config({**target, "head_dim": 16}, path="x"), draft_vocab_size=32000)

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import load_file
+from safetensors.torch import save as st_save
 
-from eagle3_assets.drafter.checkpoint import CheckpointError, list_checkpoints
-from eagle3_assets.drafter.train import TrainingError, train_drafter
+from eagle3_assets.drafter.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
+from eagle3_assets.drafter.train import NonFiniteLossError, TrainingError, train_drafter
+from eagle3_assets.hidden_states.sample_file import read_header
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
@@ -268,3 +271,35 @@ def test_two_rank_data_parallel_run(tmp_path, data):
     store = ArtifactStore(tmp_path / "store")
     assert list_checkpoints(store)[-1] == r0["total"]
     assert store.read_json(f"drafter/checkpoints/step_{r0['total']}/state.json")["run"]["world_size"] == 2
+
+
+def test_a_non_finite_loss_stops_training_naming_the_batch_and_no_bad_weights_are_published(tmp_path, data):
+    """Finite values large enough to overflow (the loader passes them): the step that meets them stops the run."""
+    store = copy_store(data, tmp_path / "s")
+    run(store, data, max_steps=2)  # a good checkpoint at step 2
+    root, keys, vmap = data
+    rel = f"hidden_states/{keys[0]}/3.safetensors"
+    tensors = st_load(store.read_bytes(rel))
+    tensors["aux_hidden_states"].fill_(3e38)
+    with store.open(rel) as f:
+        header, _ = read_header(f)
+    store.write_bytes(rel, st_save(tensors, metadata=header["__metadata__"]))
+    with pytest.raises(NonFiniteLossError) as e:
+        run(store, data)
+    message = str(e.value)
+    assert message.startswith("step ") and store.url_of(rel) in message
+    assert "Nothing of this step was applied; the last checkpoint is intact." in message
+    assert list_checkpoints(store)[-1] < int(message.split()[1].rstrip(":"))
+    good = load_file(str(tmp_path / "s" / f"drafter/checkpoints/step_{list_checkpoints(store)[-1]}/model.safetensors"))
+    assert all(bool(torch.isfinite(t).all()) for t in good.values() if t.is_floating_point())
+
+
+def test_weights_that_are_not_finite_are_never_checkpointed(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    store = ArtifactStore(tmp_path)
+    bad = {"fc.weight": torch.tensor([[1.0, float("inf")]]), "d2t": torch.zeros(2, dtype=torch.int64)}
+    with pytest.raises(CheckpointError, match=r"step 7: not checkpointed, 1 tensor\(s\) hold non-finite values \(fc.weight\)"):
+        save_checkpoint(store, 7, model_tensors=bad, optimizer=opt, param_names=["weight", "bias"], scheduler=sched, state={})
+    assert list_checkpoints(store) == []

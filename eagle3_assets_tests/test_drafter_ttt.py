@@ -43,14 +43,14 @@ def test_step_loss_and_accuracy_exact_values():
     kept = torch.tensor([[True, False, True, False, False]])
     big = 1e4  # logits at dropped indices are absurd; they must not count
     logits = torch.tensor([[[0.0, 0.0], [big, -big], [0.0, math.log(3.0)], [big, -big], [-big, big]]])
-    loss, correct, n = ttt_step_loss(logits, targets, kept, D2T, step=0)
+    loss, correct, n = ttt_step_loss(logits, targets, kept, kept, D2T, step=0)
     # index 0 vs p=[.5,.5] with q=[.5,.5]: ln 2. index 2 vs p=[0,1] (position 3) with q=[.25,.75]: -ln .75
     assert n.item() == 2
     assert math.isclose(loss.item(), (math.log(2) - math.log(0.75)) / 2, rel_tol=1e-6)
     # index 0: draft argmax 0 -> target 1 == top-1 1 (ties take the first). index 2: draft 1 -> target 3 == 3.
     assert correct.item() == 2
     logits[0, 2] = torch.tensor([math.log(3.0), 0.0])  # now draft argmax 0 -> target 1 != 3
-    loss, correct, _ = ttt_step_loss(logits, targets, kept, D2T, step=0)
+    loss, correct, _ = ttt_step_loss(logits, targets, kept, kept, D2T, step=0)
     assert correct.item() == 1
     assert math.isclose(loss.item(), (math.log(2) - math.log(0.25)) / 2, rel_tol=1e-6)
 
@@ -58,7 +58,7 @@ def test_step_loss_and_accuracy_exact_values():
 def test_no_kept_position_gives_zero_loss_not_nan():
     targets = hand_made_targets()
     kept = torch.zeros(1, 5, dtype=torch.bool)
-    loss, correct, n = ttt_step_loss(torch.zeros(1, 5, 2), targets, kept, D2T, step=0)
+    loss, correct, n = ttt_step_loss(torch.zeros(1, 5, 2), targets, kept, kept, D2T, step=0)
     assert (loss.item(), correct.item(), n.item()) == (0.0, 0, 0)
 
 

@@ -11,6 +11,9 @@ does at serving time.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +22,7 @@ from eagle3_assets.drafter.data import BatchLoader, index_samples
 from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.model import Eagle3Drafter
 from eagle3_assets.drafter.train import train_drafter
-from eagle3_assets.drafter.vllm_eval import generate_in_subprocess
+from eagle3_assets.drafter.vllm_eval import generate_in_subprocess, generate_runs_in_subprocess
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
@@ -28,6 +31,7 @@ from .helpers import greedy_vocab_map, target_of, tiny_llama, write_shard
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PROMPT_LEN, SERVED, EXTRA, K = 6, 24, 4, 3
+NORM_FLAGS = {"norm_before_fc", "norm_before_residual", "norm_output"}
 
 
 @torch.no_grad()
@@ -51,11 +55,16 @@ def replay_rounds(model: Eagle3Drafter, store: ArtifactStore, keys: list[str]) -
     return drafts, accepted
 
 
-@pytest.mark.timeout(1500)
-def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(tmp_path):
+@pytest.fixture(scope="module")
+def served_target(tmp_path_factory):
+    """A confident tiny target (rotary scaled the llama3 way, as Llama 3.1 is), greedy text from it,
+    and two shards of that text."""
     pytest.importorskip("vllm")
-    target_dir = tmp_path / "target"
-    model = tiny_llama(target_dir, seed=3, tokenizer=True)
+    tmp = tmp_path_factory.mktemp("drafter-vllm")
+    target_dir = tmp / "target"
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}  # fmt: skip
+    model = tiny_llama(target_dir, seed=3, tokenizer=True, rope_parameters=rope)
     with torch.no_grad():
         model.lm_head.weight.mul_(25.0)  # confident predictions: greedy has clear margins
     model.save_pretrained(target_dir)
@@ -69,16 +78,48 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(tmp_path
             for p in prompts
         ]
     rows = [(g, [0] * PROMPT_LEN + [1] * new) for g in generated]
-    store = ArtifactStore(tmp_path / "store")
+    store = ArtifactStore(tmp / "store")
     keys = [write_shard(store, model, rows[:12], 0), write_shard(store, model, rows[12:], 12)]
-    vmap = greedy_vocab_map(model, rows, draft=128)
+    return target_dir, prompts, generated, store, keys, greedy_vocab_map(model, rows, draft=128)
+
+
+def train_and_export(served_target, name: str, **options) -> tuple[Eagle3Drafter, Path]:
+    target_dir, _, _, store, keys, vmap = served_target
     settings = TrainingSettings(
-        ttt_steps=K, lr=1e-2, warmup_steps=5, epochs=40.0, batch_tokens=256, checkpoint_every=1000, heldout_rows=0
-    )
+        ttt_steps=K, lr=1e-2, warmup_steps=5, epochs=40.0, batch_tokens=256, checkpoint_every=1000, heldout_rows=0,
+        **({"serve_with": ["vllm"]} | options if set(options) & NORM_FLAGS else options),
+    )  # fmt: skip
+    store.remove("drafter", recursive=True)
     result = train_drafter(store, keys, vmap=vmap, target=target_of(target_dir), settings=settings, log=lambda _: None)
-    tensors = result.model.trainable_state_dict()
-    export_drafter(store, tensors, result.config, aux_layer_ids=result.aux_layer_ids, dtype="float32")
-    export_dir = tmp_path / "store" / "drafter" / "export"
+    rel = f"exports/{name}"
+    export_drafter(store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids,
+                   dtype="float32", rel=rel)  # fmt: skip
+    return result.model, store.local_path(rel)
+
+
+def assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys) -> tuple[int, list[int]]:
+    """vLLM's counters are the ones our own model predicts: they agree only when aux layers, final
+    norm, alignment, rotary positions and scaling, the fed-back state, the norm placements and the
+    weight names all match what vLLM does. They matched exactly here; the 1% margin leaves room for
+    a near-tie argmax flipping on another CPU. Feeding the wrong aux layers moved them by 3-4%."""
+    drafts, accepted = replay_rounds(model, store, keys)
+    margin = max(1.0, 0.01 * drafts)
+    assert abs(spec.num_drafts - drafts) <= margin, (spec.to_json(), drafts, accepted)
+    for got, want in zip(spec.accepted_per_position, accepted):
+        assert abs(got - want) <= margin, (spec.accepted_per_position, accepted, drafts)
+    return drafts, accepted
+
+
+@pytest.mark.timeout(1500)
+def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(served_target):
+    target_dir, prompts, generated, store, keys, _ = served_target
+    model, export_dir = train_and_export(served_target, "default")
+    config = json.loads((export_dir / "config.json").read_text())
+    # Export fidelity: the target's rotary embedding and context, written for the engine.
+    target_config = json.loads((target_dir / "config.json").read_text())
+    assert config["rope_parameters"] == target_config["rope_parameters"]
+    assert config["max_position_embeddings"] == target_config["max_position_embeddings"] == 512
+    assert config["tie_word_embeddings"] is False
 
     spec = generate_in_subprocess(target_dir, prompts, draft_dir=export_dir, num_speculative_tokens=K, max_tokens=SERVED)
     # Speculative decoding never changes greedy output: equal to the target's own greedy tokens.
@@ -86,16 +127,8 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(tmp_path
     assert spec.num_draft_tokens == K * spec.num_drafts
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
     assert spec.mean_acceptance_length == 1 + spec.num_accepted_tokens / spec.num_drafts
-
-    drafts, accepted = replay_rounds(result.model, store, keys)
     assert spec.mean_acceptance_length > 2.5, spec.to_json()
-    # vLLM's counters are the ones our own model predicts. They matched exactly here (193
-    # drafts, [157, 131, 96] accepted); the 1% margin leaves room for a near-tie argmax
-    # flipping on another CPU. Feeding the wrong aux layers moved them by 3-4%.
-    margin = max(1.0, 0.01 * drafts)
-    assert abs(spec.num_drafts - drafts) <= margin, (spec.to_json(), drafts, accepted)
-    for got, want in zip(spec.accepted_per_position, accepted):
-        assert abs(got - want) <= margin, (spec.accepted_per_position, accepted, drafts)
+    assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)
 
     zeroed = generate_in_subprocess(
         target_dir, prompts, draft_dir=export_dir, num_speculative_tokens=K, max_tokens=SERVED, zero_fc=True
@@ -104,3 +137,35 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(tmp_path
     # The same drafter without the target features is accepted far less: vLLM feeds the
     # features it was trained on.
     assert zeroed.mean_acceptance_length < spec.mean_acceptance_length - 0.5, (zeroed.to_json(), spec.to_json())
+
+
+OPTIONS = {
+    "norm_before_fc": {"norm_before_fc": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "all_norms": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+    "frozen_lm_head": {"train_lm_head": False},
+    "input_positions": {"loss_positions": "input"},
+    "kl": {"loss": "kl"},
+    "lk": {"loss": "lk"},
+}
+
+
+@pytest.mark.timeout(1500)
+def test_every_recipe_option_serves_in_vllm_as_it_trained(served_target):
+    target_dir, prompts, generated, store, keys, _ = served_target
+    trained = {name: train_and_export(served_target, name, **options) for name, options in OPTIONS.items()}
+    for name, (_, export_dir) in trained.items():
+        config = json.loads((export_dir / "config.json").read_text())
+        for flag in NORM_FLAGS:  # written out explicitly, as trained
+            assert config[flag] is bool(OPTIONS[name].get(flag, False)), (name, flag)
+    results = generate_runs_in_subprocess(
+        target_dir, prompts,
+        [{"draft_dir": export_dir, "num_speculative_tokens": K} for _, export_dir in trained.values()],
+        common={"max_tokens": SERVED},
+    )  # fmt: skip
+    want = [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]
+    for (name, (model, _)), spec in zip(trained.items(), results, strict=True):
+        assert spec.outputs == want, name
+        if set(OPTIONS[name]) & NORM_FLAGS:  # a norm placement vLLM did not apply would move its counters
+            assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)

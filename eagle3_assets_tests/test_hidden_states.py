@@ -32,7 +32,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3_assets.hidden_states import ExtractionRequest, ExtractorConfigError, extract_in_order, open_extractor
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor, plan_batches
 from eagle3_assets.hidden_states.integrity import check_shard, check_shards
-from eagle3_assets.hidden_states.sample_file import FORMAT, SampleSpec, manifest_path, sample_path, shard_dir
+from eagle3_assets.hidden_states.sample_file import (
+    FORMAT,
+    SampleSpec,
+    decode_hidden,
+    manifest_path,
+    parse_header,
+    sample_path,
+    sample_problem,
+    shard_dir,
+)
 from eagle3_assets.hidden_states.shard import (
     ExtractionProgress,
     InsufficientSpaceError,
@@ -251,6 +260,44 @@ def test_float32_storage_roundtrips_exact_values(tmp_path: Path, extractor: HFEx
     assert t["aux_hidden_states"].dtype == torch.float32
     torch.testing.assert_close(t["aux_hidden_states"], want.aux_hidden_states, atol=1e-5, rtol=1e-5)
     assert check_shard(store, tok, shard, hidden_size=H, aux_layer_ids=AUX, dtype="float32").ok
+
+
+def test_float8_storage_halves_the_hidden_bytes_and_decodes_within_e4m3_precision(
+    tmp_path: Path, extractor: HFExtractor
+):
+    store = ArtifactStore(tmp_path)
+    tok = make_tokenized(LENGTHS)
+    shard = Shard(0, 4)
+    result = extract_shard(store, tok, shard, extractor, settings(storage_dtype="float8_e4m3fn"), model_name=MODEL_NAME)
+    report = check_shard(store, tok, shard, hidden_size=H, aux_layer_ids=AUX, dtype="float8_e4m3fn", model=MODEL_NAME)
+    assert report.ok, report.summary()
+    assert store.read_json(manifest_path(shard.key))["dtype"] == "float8_e4m3fn"
+    fp8, bf16 = (SampleSpec(H, tuple(AUX), d, MODEL_NAME) for d in ("float8_e4m3fn", "bfloat16"))
+    assert (fp8.hidden_bytes_per_token, bf16.hidden_bytes_per_token) == (4 * H + 8, 4 * H * 2)  # + two f32 scales
+    tokens = sum(LENGTHS[:4])
+    assert abs(result.bytes - sum(L * fp8.bytes_per_token + fp8.file_overhead(L) for L in LENGTHS[:4])) <= 4 * 8
+    assert abs(result.bytes - fp8.projected_bytes(tokens, 4)) <= 4 * 16  # the preflight's figure
+
+    t = st_load(store.read_bytes(sample_path(shard.key, 1)))
+    assert t["aux_hidden_states"].dtype == torch.float8_e4m3fn and t["aux_hidden_states_scale"].shape == (LENGTHS[1],)
+    want = extract_in_order(extractor, [ExtractionRequest(1, tok.row(1)[0])])[0]
+    for name, ref in (("aux_hidden_states", want.aux_hidden_states), ("last_hidden_state", want.last_hidden_state)):
+        got = decode_hidden(t, name).float()
+        # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself (bf16 decoding adds 1/256), or
+        # within the smallest normal step of its row's scale near zero.
+        scale = t[name + "_scale"][:, None]
+        assert bool(((got - ref).abs() <= ref.abs() * (1 / 16 + 1 / 256) + scale * 2**-6).all()), name
+    # A check for another storage dtype names the difference.
+    other = check_shard(store, tok, shard, hidden_size=H, aux_layer_ids=AUX, dtype="bfloat16")
+    assert other.problems["rows_0-4/0.safetensors"].startswith("tensors [")
+    # Bad scales are caught like bad values.
+    t["aux_hidden_states_scale"][2] = float("nan")
+    header, _ = parse_header(store.read_bytes(sample_path(shard.key, 1)))
+    ids, mask = tok.row(1)
+    data = st_save(t, metadata=header["__metadata__"])
+    assert sample_problem(data, row=1, input_ids=ids, loss_mask=mask, spec=fp8) == (
+        "aux_hidden_states_scale has non-finite or non-positive scales"
+    )
 
 
 # -- progress -----------------------------------------------------------------------

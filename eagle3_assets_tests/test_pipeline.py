@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,28 @@ def test_verify_shards_rechecks_without_extracting_and_the_drafter_refuses_bad_s
     # rematerializing repairs the truncated file (one row recomputed) and the check passes again
     assert run(defs, instance, ["hidden_states"], "rows_40-45").success
     assert latest_metadata(instance, "hidden_states")["rows_computed"] == 1
+
+    # With every shard sound, the job succeeds (a green run, no failure alert) and says so.
+    for key in ("rows_0-20", "rows_20-40"):
+        assert run(defs, instance, ["hidden_states"], key).success
+    healthy = defs.resolve_job_def("verify_shards").execute_in_process(instance=instance, raise_on_error=False)
+    assert healthy.success
+    assert {e.event_specific_data.partition: e.event_specific_data.passed
+            for e in healthy.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"} == dict.fromkeys(
+        ["rows_0-20", "rows_20-40", "rows_40-45"], True)  # fmt: skip
+    output = next(e for e in healthy.all_events if e.event_type_value == "STEP_OUTPUT")
+    assert {k: v.value for k, v in output.event_specific_data.metadata.items()} == {"shards": 3, "rows": 45}
+
+
+def test_a_target_without_a_chat_template_fails_naming_it(pipeline, tmp_path):
+    project, _, instance = pipeline
+    model = tmp_path / "no-template"
+    shutil.copytree(project.store.local_path(DEMO_MODEL_DIR), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    broken = Project(project.settings.model_copy(update={"target_model": str(model)}), project.store)
+    result = run(build_definitions(broken), instance, ["target_model"])
+    assert not result.success
+    assert f"{model}: the tokenizer has no chat template" in result.failure_data_for_node("target_model").error.message

@@ -53,7 +53,7 @@ ARTIFACTS = REPO_ROOT / "test-artifacts" / "ui"
 ALL_ASSETS = DATA_ASSETS + ["hidden_states", "drafter", "drafter_eval"]
 SHARDS = ["rows_0-20", "rows_20-40", "rows_40-45"]
 WEBHOOK_ENV = "EAGLE3_TEST_UI_WEBHOOK"
-# Edges of the DESIGN §1 graph: asset -> what it depends on.
+# Edges of the docs/DESIGN.md §1 graph: asset -> what it depends on.
 LINEAGE = {
     "prompts": [],
     "target_model": [],

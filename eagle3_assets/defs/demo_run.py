@@ -41,8 +41,10 @@ def run_selection(
     return result.success
 
 
-def run_graph(defs: Definitions, instance: DagsterInstance) -> bool:
-    """Data assets, then one run per shard, then the drafter and its evaluation; False at the first failure."""
+def run_graph(defs: Definitions, instance: DagsterInstance, *, through: str = "drafter_eval") -> bool:
+    """Data assets, then one run per shard, then the drafter and its evaluation; False at the first failure.
+
+    `through="hidden_states"` stops after the shards (benchmarks that train drafters of their own)."""
     graph = defs.resolve_asset_graph()
     after = [AssetKey(k) for k in AFTER_SHARDS]
     unpartitioned = [k for k in graph.get_all_asset_keys() if k != HIDDEN_STATES and k not in after]
@@ -52,7 +54,7 @@ def run_graph(defs: Definitions, instance: DagsterInstance) -> bool:
     if failed:
         print(f"[demo] shards failed: {failed}; rerun `make demo` to resume them", file=sys.stderr)
         return False
-    return run_selection(defs, instance, after)
+    return through == "hidden_states" or run_selection(defs, instance, after)
 
 
 def main() -> int:

@@ -143,7 +143,7 @@ def evaluate_drafter(
         else:
             export_dir = store_export
 
-        settings = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
+        variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
         log(
             f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM, plain and with the drafter "
             f"at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, then zeroed)"
@@ -151,10 +151,10 @@ def evaluate_drafter(
         plain, *speculative = generate_runs_in_subprocess(
             target.path,
             prompt_ids,
-            [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in settings],
+            [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants],
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False},
         )
-        for (k, zeroed), spec in zip(settings, speculative, strict=True):
+        for (k, zeroed), spec in zip(variants, speculative, strict=True):
             label = f"k={k}" + (" features zeroed" if zeroed else "")
             log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
             (report.acceptance_zeroed if zeroed else report.acceptance)[f"k{k}"] = spec.mean_acceptance_length

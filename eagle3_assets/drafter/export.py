@@ -24,6 +24,7 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
 EXPORT_DIR = "drafter/export"
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -58,6 +59,8 @@ def expected_export_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
     }
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (cfg.num_aux_layers * h,)  # vLLM's name for the norm over the fused features
     if cfg.draft_vocab_size == cfg.vocab_size:
         del shapes["d2t"]
     return shapes
@@ -89,6 +92,11 @@ def export_problems(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> lis
     return problems
 
 
+def rope_scaling(rope: dict[str, Any]) -> dict[str, Any]:
+    """`rope_parameters` in the older `rope_scaling` shape: the scaling fields and their type, no theta."""
+    return {k: v for k, v in rope.items() if k != "rope_theta"} | {"type": rope["rope_type"]}
+
+
 def export_config(
     cfg: DrafterConfig, *, aux_layer_ids: list[int], dtype: str, max_position_embeddings: int | None = None
 ) -> dict[str, Any]:
@@ -107,18 +115,23 @@ def export_config(
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        # The drafter was trained with plain (unscaled) rotary embeddings at this theta.
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # The target's rotary embedding, scaling included: what the drafter was trained with.
+        # transformers 5 and vLLM read rope_parameters; older readers rope_theta and rope_scaling.
+        "rope_theta": cfg.rope["rope_theta"],
+        "rope_parameters": dict(cfg.rope),
+        **({"rope_scaling": rope_scaling(cfg.rope)} if cfg.rope.get("rope_type", "default") != "default" else {}),
+        # At least the target's context: a shorter one gave very low acceptance in SpecForge.
         "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        # Matches the trained layer: the residual is the raw hidden state. Written out
-        # because vLLM's default for it differs between checkpoint formats.
-        "norm_before_residual": False,
+        # The trained layer's norm placements, written out because vLLM's defaults for them
+        # differ between checkpoint formats (model.py says what each one is).
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "norm_output": cfg.norm_output,
         # vLLM 0.32 reads the top-level ids ("input of layer i", as extracted) first;
         # SGLang reads eagle_config's and adds 1. Both then feed the trained layers.
         "eagle_aux_hidden_state_layer_ids": ids,
@@ -168,8 +181,9 @@ def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eag
     config = json.loads((export_dir / "config.json").read_text())
     # config.json is an HF Llama config, the shape the drafter takes from its target.
     cfg = DrafterConfig.from_target(
-        TargetModel.from_config(config, path=export_dir), draft_vocab_size=config["draft_vocab_size"]
-    )
+        TargetModel.from_config(config, path=export_dir), draft_vocab_size=config["draft_vocab_size"],
+        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
+    )  # fmt: skip
     tensors = load_file(str(export_dir / "model.safetensors"))
     problems = export_problems(tensors, cfg)
     if problems:

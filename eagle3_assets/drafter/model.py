@@ -18,12 +18,20 @@ t+1. Its query attends to
 which is the KV cache a serving engine holds when it drafts k tokens past t+1. This is
 the pattern of the EAGLE-3 reference and SpecForge. Rotary positions follow the serving
 engine too: step k at index t sits at position t + k (vLLM advances the position by one
-per draft token), so query/key offsets match what the drafter meets at inference.
+per draft token), so query/key offsets match what the drafter meets at inference, and
+the rotary embedding is the target's, scaling type and factors included (`rope`), as
+the export declares it to the engine.
+
+Three placements of a norm are options (the EAGLE-3.1 / speculators variants; each
+written into the export for vLLM, `export.py`):
+  norm_before_fc        RMSNorm over the 3H fused features before `fc` (`input_norm`)
+  norm_before_residual  the residual of the layer is hidden_norm(h), not the raw h
+  norm_output           step k feeds step k+1 the normed output, not the pre-norm one
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -43,9 +51,12 @@ class DrafterConfig:
     vocab_size: int  # V, the target vocabulary (the frozen embedding's rows)
     draft_vocab_size: int  # Vd, the lm_head's rows
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 4096
     num_aux_layers: int = 3
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim < 32:
@@ -59,12 +70,15 @@ class DrafterConfig:
             )
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside 1..vocab_size ({self.vocab_size})")
+        rope_type = self.rope.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in _rope_init_functions():
+            raise ValueError(f"rope_type {rope_type!r} of the target is not one transformers knows")
 
     @classmethod
     def from_target(
-        cls, target: TargetModel, *, draft_vocab_size: int, intermediate_size: int | None = None
+        cls, target: TargetModel, *, draft_vocab_size: int, intermediate_size: int | None = None, **options: bool
     ) -> DrafterConfig:
-        """The drafter shaped like the target's decoder layers."""
+        """The drafter shaped like the target's decoder layers, with its rotary embedding; `options` are the norm flags."""
         return cls(
             hidden_size=target.hidden_size,
             num_attention_heads=target.num_attention_heads,
@@ -74,8 +88,9 @@ class DrafterConfig:
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
             rms_norm_eps=target.rms_norm_eps,
-            rope_theta=float(target.rope["rope_theta"]),
+            rope=dict(target.rope),
             max_position_embeddings=target.max_context or 4096,
+            **options,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,12 +116,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama default ("neox", rotate-half) rotary tables for integer positions [...] -> [..., hd]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # [..., hd/2]
+def _rope_init_functions() -> dict:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS
+
+
+def rotary_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [hd/2], attention scaling) of the target's rotary embedding.
+
+    Plain rotary is computed here; a scaled one (llama3, yarn, linear, ...) by transformers'
+    own init function for that type, so the drafter trains with what the engine applies.
+    """
+    theta = float(cfg.rope["rope_theta"])
+    if cfg.rope.get("rope_type", "default") == "default":
+        return 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)), 1.0
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope),
+    )  # fmt: skip
+    inv_freq, scaling = _rope_init_functions()[cfg.rope["rope_type"]](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama ("neox", rotate-half) rotary tables for integer positions [...] -> [..., hd]."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
-    return emb.cos(), emb.sin()
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,11 +223,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The `midlayer`: attention over cat(input_layernorm(embed), hidden_norm(h)), residual = raw h.
-
-    The residual being the raw (un-normed) hidden is `norm_before_residual: false` in
-    vLLM's terms; the exported config says so explicitly.
-    """
+    """The `midlayer`: attention over cat(input_layernorm(embed), hidden_norm(h)); the residual is
+    the raw h, or hidden_norm(h) with `norm_before_residual` (the exported config says which)."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -197,13 +233,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         # embeds, hidden [B, T, H]
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        h = hidden + self.self_attn(x, cos, sin, cache)  # [B, T, H]
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        residual = normed if self.norm_before_residual else hidden
+        h = residual + self.self_attn(x, cos, sin, cache)  # [B, T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H], the pre-norm output
 
 
@@ -221,6 +260,8 @@ class Eagle3Drafter(nn.Module):
         if tuple(embed_tokens.shape) != (cfg.vocab_size, h):
             raise ValueError(f"embedding is {list(embed_tokens.shape)}, expected [{cfg.vocab_size}, {h}]")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h, _weight=embed_tokens.detach(), _freeze=True)
+        # vLLM names the norm over the fused features `input_norm`; it exists only with norm_before_fc.
+        self.input_norm = RMSNorm(cfg.num_aux_layers * h, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -233,6 +274,8 @@ class Eagle3Drafter(nn.Module):
             )
         self.register_buffer("d2t", d2t)  # [Vd] target id = draft id + d2t[draft id]
         self.register_buffer("t2d", t2d)  # [V] target id is in the draft vocab
+        inv_freq, self.rope_scaling = rotary_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2]
         self.reset_parameters()
 
     @torch.no_grad()
@@ -248,7 +291,10 @@ class Eagle3Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, A] -> [B, T, H]
+        aux = aux.to(self.fc.weight.dtype)  # [B, T, A]
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        return self.fc(aux)  # [B, T, H]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [B, T] -> [B, T, H]
@@ -257,7 +303,7 @@ class Eagle3Drafter(nn.Module):
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """One TTT step: token ids [B, T], hidden [B, T, H], positions [B, T] -> pre-norm hidden [B, T, H]."""
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.rope_scaling)
         return self.midlayer(self.embed(input_ids), hidden, cos, sin, cache)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
@@ -273,7 +319,7 @@ class Eagle3Drafter(nn.Module):
         input_ids [B, T] are the sequence's own tokens (index t holds token t); aux
         [B, T, A] the target's fused features at each position. Step k reads token
         t+1+k (0 past the end; those positions carry no loss) and, for k > 0, the
-        step k-1 output at the same index.
+        step k-1 output at the same index (normed with `norm_output`).
         """
         B, T = input_ids.shape
         cache = KVCache()
@@ -284,8 +330,9 @@ class Eagle3Drafter(nn.Module):
             shifted = torch.zeros_like(input_ids)
             if k + 1 < T:
                 shifted[:, : T - 1 - k] = input_ids[:, 1 + k :]
-            hidden = self.step(shifted, hidden, index + k, cache)
-            outputs.append(hidden)
+            prenorm = self.step(shifted, hidden, index + k, cache)
+            outputs.append(prenorm)
+            hidden = self.norm(prenorm) if self.config.norm_output else prenorm
         return outputs
 
 
@@ -300,5 +347,6 @@ __all__ = [
     "count_parameters",
     "rms_norm",
     "rotary_cos_sin",
+    "rotary_frequencies",
     "ttt_attention_mask",
 ]

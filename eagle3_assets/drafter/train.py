@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
 from eagle3_assets.drafter.tensorboard import TensorBoard
-from eagle3_assets.drafter.ttt import ttt_forward
+from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -63,20 +64,24 @@ LogFn = Callable[[str], None]
 
 
 class NonFiniteLossError(TrainingError):
-    """A training step's loss is NaN or infinite; the message names the step and the batch's files."""
+    """A training step's loss or gradient is NaN or infinite; the message names the step and the batch's files."""
 
 
 # -- model and schedule -----------------------------------------------------------
 
 
-def build_drafter(cfg: DrafterConfig, target: TargetWeights, vmap: VocabMap, seed: int) -> Eagle3Drafter:
+def build_drafter(
+    cfg: DrafterConfig, target: TargetWeights, vmap: VocabMap, seed: int, *, train_lm_head: bool = True
+) -> Eagle3Drafter:
     """A fresh drafter: seeded init, the target's embedding copied in (frozen), and lm_head
     started from the target's lm_head rows of the draft vocab, the layer the drafter's
-    output feeds at serving time, so early steps already rank tokens sensibly."""
+    output feeds at serving time, so early steps already rank tokens sensibly (and stay
+    there when it is frozen)."""
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=target.embed_tokens.clone())
     with torch.no_grad():
         model.lm_head.weight.copy_(target.lm_head[model.d2t + torch.arange(cfg.draft_vocab_size)].float())
+    model.lm_head.weight.requires_grad_(train_lm_head)
     return model
 
 
@@ -104,23 +109,27 @@ def evaluate(
     loader: BatchLoader,
     batches: Sequence[Sequence[int]],
     *,
-    num_steps: int,
-    step_weight: float,
+    settings: TrainingSettings,
     device: torch.device,
 ) -> dict[str, float]:
     """loss/acc_k over `batches` of `loader`'s samples (all ranks' shares summed)."""
     model.eval()
-    counts = StepCounts.zeros(num_steps)
+    counts = StepCounts.zeros(settings.ttt_steps)
     for idx in batches:
         b = loader.load(idx).to(device)
         targets = head.targets(b.last, b.pre_norm, model.t2d)
         with autocast(device):
-            out = ttt_forward(
-                model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets, num_steps=num_steps, step_weight=step_weight
-            )
+            out = objective(settings)(model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets)
         counts.add(out)
     model.train()
-    return counts.all_reduce().metrics(step_weight)
+    return counts.all_reduce().metrics(settings.step_weight)
+
+
+def objective(s: TrainingSettings) -> Callable[..., TTTOutput]:
+    """`ttt_forward` with the run's unroll length, step weights, loss and loss positions."""
+    return partial(
+        ttt_forward, num_steps=s.ttt_steps, step_weight=s.step_weight, loss=s.loss, loss_positions=s.loss_positions
+    )
 
 
 # -- the run --------------------------------------------------------------------------
@@ -150,7 +159,7 @@ def run_fingerprint(
 ) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed: the data plan and the schedule."""
     s = settings.model_dump()
-    for volatile in ("checkpoint_every", "device"):
+    for volatile in ("checkpoint_every", "device", "serve_with"):
         s.pop(volatile)
     return {
         "settings": s,
@@ -211,22 +220,16 @@ class _Run:
         b = batch.to(self.device)
         targets = self.head.targets(b.last, b.pre_norm, self.model.t2d)  # the target's distribution, from stored states
         with autocast(self.device):
-            out = ttt_forward(
-                self.step_model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets,
-                num_steps=s.ttt_steps, step_weight=s.step_weight,
-            )  # fmt: skip
+            out = objective(s)(self.step_model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets)
         # Every rank stops together: one rank's NaN would reach all of them through the gradient all-reduce.
         if int(all_reduce_sum(torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0]))[0]):
-            files = ", ".join(self.store.url_of(ref.rel) for ref in batch.samples)
-            raise NonFiniteLossError(
-                f"step {step}: the loss is {float(out.loss.detach())} on a rank; this rank's batch: {files}. "
-                f"Nothing of this step was applied; the last checkpoint is intact. Check those files "
-                f"(the `verify_shards` job) and re-extract the bad ones."
-            )
+            self._stop_non_finite(step, batch, f"the loss is {float(out.loss.detach())}")
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)  # all-reduced already: equal on every rank
+        if not torch.isfinite(grad_norm):
+            self._stop_non_finite(step, batch, f"the gradient norm is {float(grad_norm)} (the loss {float(out.loss)})")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -235,6 +238,13 @@ class _Run:
         metrics = counts.all_reduce().metrics(s.step_weight)
         metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=float(batch.num_tokens * self.env.world_size))
         return metrics
+
+    def _stop_non_finite(self, step: int, batch: Batch, what: str) -> None:
+        files = ", ".join(self.store.url_of(ref.rel) for ref in batch.samples)
+        raise NonFiniteLossError(
+            f"step {step}: {what}; this rank's batch: {files}. Nothing of this step was applied; the last "
+            "checkpoint is intact. Check those files (the `verify_shards` job) and re-extract the bad ones."
+        )
 
     def checkpoint(self, step: int, next_pos: DataPosition, metrics: dict[str, float], tb: TensorBoard | None) -> str:
         """Rank 0 publishes the checkpoint; every rank waits for it."""
@@ -295,7 +305,7 @@ class _Run:
         loader = BatchLoader(self.store, self.heldout, batch_tokens=s.batch_tokens, seed=s.seed, world_size=env.world_size)
         return evaluate(
             self.model, self.head, loader, heldout_batches(self.heldout, budget, env.rank, env.world_size),
-            num_steps=s.ttt_steps, step_weight=s.step_weight, device=self.device,
+            settings=s, device=self.device,
         )  # fmt: skip
 
 
@@ -317,14 +327,18 @@ def _prepare(
         train_samples, held = split_heldout(samples, settings.heldout_rows, settings.seed)
     _check_inputs(fmt, target, vmap)
     weights = load_target_weights(target)
-    cfg = DrafterConfig.from_target(target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size)
-    model = build_drafter(cfg, weights, vmap, settings.seed).to(device)
+    cfg = DrafterConfig.from_target(
+        target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size,
+        norm_before_fc=settings.norm_before_fc, norm_before_residual=settings.norm_before_residual,
+        norm_output=settings.norm_output,
+    )  # fmt: skip
+    model = build_drafter(cfg, weights, vmap, settings.seed, train_lm_head=settings.train_lm_head).to(device)
     head = TargetHead.from_weights(weights).to(device)
     loader = BatchLoader(
         store, train_samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
         rank=env.rank, world_size=env.world_size, workers=data_workers,
     )  # fmt: skip
-    total = loader.total_steps(settings.epochs)
+    total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [p for _, p in named], lr=settings.lr, betas=ADAM_BETAS, weight_decay=settings.weight_decay

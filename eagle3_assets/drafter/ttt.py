@@ -1,23 +1,31 @@
 """The training-time-test objective: unroll the drafter, score each step against the target.
 
-Alignment (DESIGN §5). Index t of a sequence (t = 0..T-1; index t holds token t):
+Alignment (docs/DESIGN.md §5). Index t of a sequence (t = 0..T-1; index t holds token t):
   step k reads token t+1+k and (k = 0) the target features of position t or (k > 0)
   its own step k-1 output at index t; it predicts token t+2+k, whose target
   distribution is the target's output at position t+1+k.
 A prediction counts (is "kept") when
   - token t+2+k exists (t+2+k < length of the row),
-  - that token is a trained token (loss_mask[t+2+k] == 1: the drafter learns to draft
-    assistant tokens, including the first one, predicted from the prompt's last position),
+  - it is trained: with `loss_positions="predicted"` the predicted token t+2+k is a
+    generated one (loss_mask[t+2+k] == 1: the first answer token, predicted from the
+    prompt's last position, included); with "input" the token read, t+1+k, is
+    (speculators' alignment, which never trains the first generated token),
   - the target's top-1 at position t+1+k, over the FULL vocab, is in the draft vocab.
-Step k's loss is the soft cross-entropy -sum_v p_v log q_v, with p the target softmax
-over the draft-vocab columns and q the drafter's softmax, averaged over kept
-predictions; the total is sum_k step_weight**k * loss_k. acc_k is the share of kept
-predictions whose draft argmax, mapped through d2t, equals the target's top-1.
+acc_k is the share of kept predictions whose draft argmax, mapped through d2t, equals
+the target's top-1. With p the target softmax over the draft-vocab columns and q the
+drafter's, step k's loss, averaged over its positions, is
+  soft_ce  -sum_v p_v log q_v over the kept predictions;
+  kl       sum_v p_v (log p_v - log q_v), the same gradient, but over every trained
+           prediction, those whose target top-1 is outside the draft vocab included;
+  lk       -log sum_v min(p_v, q_v): minus the log of the probability that speculative
+           sampling accepts the draft token (1 - total variation), over every trained one.
+The total is sum_k step_weight**k * loss_k.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,29 +58,48 @@ def shift_left(x: torch.Tensor, by: int, fill: int | float | bool = 0) -> torch.
     return out
 
 
-def kept_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, in_draft: torch.Tensor, step: int) -> torch.Tensor:
-    """bool [B, T]: which step-`step` predictions count (see the module docstring)."""
+Loss = Literal["soft_ce", "kl", "lk"]
+LossPositions = Literal["predicted", "input"]
+
+
+def trained_positions(
+    loss_mask: torch.Tensor, lengths: torch.Tensor, step: int, loss_positions: LossPositions = "predicted"
+) -> torch.Tensor:
+    """bool [B, T]: step-`step` predictions of an existing, trained token (see the module docstring)."""
     B, T = loss_mask.shape
     index = torch.arange(T, device=loss_mask.device).expand(B, T)
     exists = index + 2 + step < lengths.to(loss_mask.device)[:, None]
-    trained = shift_left(loss_mask.bool(), 2 + step, False)
-    return exists & trained & shift_left(in_draft, 1 + step, False)
+    return exists & shift_left(loss_mask.bool(), (2 if loss_positions == "predicted" else 1) + step, False)
+
+
+def kept_positions(
+    loss_mask: torch.Tensor, lengths: torch.Tensor, in_draft: torch.Tensor, step: int,
+    loss_positions: LossPositions = "predicted",
+) -> torch.Tensor:  # fmt: skip
+    """bool [B, T]: which step-`step` predictions count for acc_k (and the soft_ce loss)."""
+    return trained_positions(loss_mask, lengths, step, loss_positions) & shift_left(in_draft, 1 + step, False)
 
 
 def ttt_step_loss(
-    logits: torch.Tensor, targets: Targets, kept: torch.Tensor, d2t: torch.Tensor, step: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, targets: Targets, trained: torch.Tensor, kept: torch.Tensor, d2t: torch.Tensor, step: int,
+    loss: Loss = "soft_ce",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(loss, correct, kept count) of one step; logits [B, T, Vd] at index t score position t+1+step."""
     p = shift_left(targets.probs, 1 + step)  # [B, T, Vd]
     top1 = shift_left(targets.argmax, 1 + step)  # [B, T] target ids
     logq = F.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
-    ce = -(p * logq).sum(-1)  # [B, T]
-    n = kept.sum()
-    loss = (ce * kept).sum() / n.clamp(min=1)
+    if loss == "lk":
+        per_position = -torch.log(torch.minimum(p, logq.exp()).sum(-1).clamp(min=1e-9))  # [B, T]
+    else:
+        per_position = -(p * logq).sum(-1)  # [B, T]; KL differs from it by the constant entropy of p
+        if loss == "kl":
+            per_position = per_position + (p * torch.log(p.clamp(min=1e-30))).sum(-1)
+    counted = kept if loss == "soft_ce" else trained
+    value = (per_position * counted).sum() / counted.sum().clamp(min=1)
     with torch.no_grad():
         draft_top1 = logits.argmax(-1)  # [B, T] draft ids
         correct = ((draft_top1 + d2t[draft_top1]) == top1) & kept
-    return loss, correct.sum(), n
+    return value, correct.sum(), kept.sum()
 
 
 def ttt_forward(
@@ -85,18 +112,21 @@ def ttt_forward(
     *,
     num_steps: int,
     step_weight: float,
+    loss: Loss = "soft_ce",
+    loss_positions: LossPositions = "predicted",
 ) -> TTTOutput:
     """Unroll `num_steps` and score them. input_ids/loss_mask [B, T], aux [B, T, 3H], lengths [B]."""
     # Called through a DistributedDataParallel wrapper when there is one (gradient sync);
     # d2t is read from the drafter inside it.
     inner: Eagle3Drafter = getattr(model, "module", model)
-    losses, correct, kept = [], [], []
+    losses, correct, counted = [], [], []
     total = torch.zeros((), device=aux.device)
     for k, logits in enumerate(model(input_ids, aux, num_steps)):
-        mask = kept_positions(loss_mask, lengths, targets.in_draft, k)
-        loss_k, c, n = ttt_step_loss(logits, targets, mask, inner.d2t, k)
+        trained = trained_positions(loss_mask, lengths, k, loss_positions)
+        kept = trained & shift_left(targets.in_draft, 1 + k, False)
+        loss_k, c, n = ttt_step_loss(logits, targets, trained, kept, inner.d2t, k, loss)
         total = total + step_weight**k * loss_k
         losses.append(loss_k.detach())
         correct.append(c)
-        kept.append(n)
-    return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(kept))
+        counted.append(n)
+    return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(counted))

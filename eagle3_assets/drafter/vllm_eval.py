@@ -1,7 +1,7 @@
 """Serve an exported drafter with its target in vLLM, generate greedily, read the acceptance.
 
 `generate(...)` builds an `LLM` in this process: vLLM starts worker processes, so the
-calling script needs an `if __name__ == "__main__":` guard (DESIGN §6).
+calling script needs an `if __name__ == "__main__":` guard (docs/DESIGN.md §6).
 `generate_in_subprocess(...)` runs the same in a fresh interpreter
 (`python -m eagle3_assets.drafter.vllm_eval request.json result.json`), which is what a
 Dagster asset or a test should call; `generate_runs_in_subprocess(...)` runs several

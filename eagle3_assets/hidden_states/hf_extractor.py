@@ -62,19 +62,28 @@ class HFExtractor:
 
     backend = "hf"
 
-    def __init__(self, target: TargetModel, *, batch_tokens: int, device: str = "auto", pad_token_id: int = 0):
+    def __init__(
+        self,
+        target: TargetModel,
+        *,
+        batch_tokens: int,
+        device: str = "auto",
+        pad_token_id: int = 0,
+        model: torch.nn.Module | None = None,
+    ):
+        """`model`: the target already loaded (benchmarks build one in place); else loaded from `target.path`."""
         if batch_tokens < 1:
             raise ExtractorConfigError(f"extraction.batch_tokens must be >= 1, got {batch_tokens}")
         if not target.aux_layer_ids:
             raise ExtractorConfigError("the target's aux layer ids are not resolved (TargetModel.read resolves them)")
         self.device = _resolve_device(device)
-        # float32 on CPU (bf16 matmuls there are slow and inexact); the checkpoint's own dtype on GPU.
-        dtype = torch.float32 if self.device.type == "cpu" else "auto"
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype, trust_remote_code=target.trust_remote_code)
-            .to(self.device)
-            .eval()
-        )
+        if model is None:
+            # float32 on CPU (bf16 matmuls there are slow and inexact); the checkpoint's own dtype on GPU.
+            dtype = torch.float32 if self.device.type == "cpu" else "auto"
+            model = AutoModelForCausalLM.from_pretrained(
+                str(target.path), dtype=dtype, trust_remote_code=target.trust_remote_code
+            )
+        self.model = model.to(self.device).eval()
         self.hidden_size = target.hidden_size
         self.num_layers = target.num_layers
         self.max_context = target.max_context or 1 << 30

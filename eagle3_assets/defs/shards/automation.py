@@ -2,7 +2,7 @@
 
 `on_missing()`/`eager()` never retry a shard that failed or was never requested, so
 at each cron tick request every shard that is missing or whose last run failed,
-unless it is running or its inputs are missing (DESIGN §7).
+unless it is running or its inputs are missing (docs/DESIGN.md §7).
 """
 
 from dagster import AutomationCondition

@@ -1,0 +1,143 @@
+"""What the drafter benchmarks share: the demo store, our drafter trained for a number of steps, and serving.
+
+`demo_store(dir)` runs the project's own demo graph through the hidden-state shards (no
+drafter) into `dir`, or reuses what is there. `train(...)` trains our drafter on it for
+exactly `settings.steps` optimizer steps into a scratch store beside it (checkpoints go
+under a store) and exports it, timing every step in process CPU seconds. `serve(...)`
+decodes the demo's held-out prompts greedily with the target alone and with each drafter at
+k=3 and k=7, in one vLLM interpreter, and checks that speculative output equals greedy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.definitions import build_definitions
+from eagle3_assets.defs.demo_run import run_graph
+from eagle3_assets.drafter.evaluate import load_eval_prompts
+from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+from eagle3_assets.hidden_states.sample_file import MANIFEST_NAME, shard_dir
+from eagle3_assets.project import Project
+from eagle3_assets.settings import Settings, TrainingSettings, demo_settings
+from eagle3_assets.shards import Shard
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel, load_tokenizer
+from eagle3_assets.vocab_map import VocabMap
+
+KS = (3, 7)
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+def demo_store(path: Path, settings: Settings | None = None) -> Project:
+    """A store with the demo's data and complete shards (built here the first time: ~5 min on 2 cores)."""
+    from dagster._core.test_utils import instance_for_test
+
+    project = Project(settings or demo_settings(), ArtifactStore(str(path.resolve())))
+    if not shard_keys(project.store):
+        log(f"building the demo store in {path} (data assets and shards, as make demo does)")
+        with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+            if not run_graph(build_definitions(project), instance, through="hidden_states"):
+                raise RuntimeError(f"the demo graph failed building {path}; rerun to resume")
+    return project
+
+
+def shard_keys(store: ArtifactStore) -> list[str]:
+    """The store's complete shards, in row order."""
+    keys = [k for k in store.listdir("hidden_states") if k.startswith("rows_")]
+    return sorted((k for k in keys if store.exists(f"{shard_dir(k)}/{MANIFEST_NAME}")), key=Shard.parse)
+
+
+def scratch_store(project: Project, dest: Path) -> ArtifactStore:
+    """A store whose inputs are the project's (linked, not copied) and whose drafter outputs are its own."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    src = project.store.local_path("")
+    assert src is not None, "the benchmarks need a local store"
+    for name in os.listdir(src):
+        if name not in ("drafter", "drafter_eval"):
+            (dest / name).symlink_to(src / name)
+    return ArtifactStore(str(dest))
+
+
+def steady(xs: list[float]) -> float:
+    """Mean seconds per step without the first step (it carries one-off setup)."""
+    return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
+
+
+@dataclass
+class Trained:
+    label: str
+    steps: int
+    cpu_s_per_step: float
+    tokens_per_step: float
+    heldout: dict[str, float]
+    export_dir: Path
+    cpu_s: list[float] = field(repr=False, default_factory=list)
+
+    def as_json(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items() if k != "cpu_s"}
+
+
+def train(project: Project, settings: TrainingSettings, label: str, workdir: Path, *, threads: int = 1) -> Trained:
+    """Our drafter trained for `settings.steps` steps from scratch, exported to `workdir/<label>/export`."""
+    torch.set_num_threads(threads)
+    store = scratch_store(project, workdir / label)
+    cpu: list[float] = []
+    tokens: list[float] = []
+    last = [time.process_time()]
+
+    def on_metrics(step: int, m: dict[str, float]) -> None:
+        now = time.process_time()
+        cpu.append(now - last[0])
+        last[0] = now
+        tokens.append(m.get("tokens", 0.0))
+
+    log(f"{label}: {settings.steps} steps ({threads} thread(s))")
+    r = train_drafter(
+        store, shard_keys(store), vmap=VocabMap.load(store), target=project.target(), settings=settings,
+        on_metrics=on_metrics, resume=False, log=lambda _m: None,
+    )  # fmt: skip
+    export_drafter(store, r.model.trainable_state_dict(), r.config, aux_layer_ids=r.aux_layer_ids)
+    shutil.rmtree(store.local_path("drafter/checkpoints"), ignore_errors=True)
+    return Trained(label, r.step, steady(cpu), statistics.fmean(tokens), r.heldout, store.local_path(EXPORT_DIR), cpu)
+
+
+def serve(target: TargetModel, project: Project, drafters: dict[str, Path], max_tokens: int) -> dict[str, dict]:
+    """label -> {"k3": {...}, "k7": {...}}: mean acceptance length, per position, drafts, greedy equality."""
+    tok = load_tokenizer(target)
+    prompt_ids = [generation_prompt_ids(tok, p.messages) for p in load_eval_prompts(project.store)]
+    names = list(drafters)
+    runs = [{}] + [{"draft_dir": drafters[n], "num_speculative_tokens": k} for n in names for k in KS]
+    log(f"serving {len(prompt_ids)} held-out prompts: plain + {len(names)} drafters at k={KS} ({len(runs)} engines)")
+    plain, *spec = generate_runs_in_subprocess(
+        target.path, prompt_ids, runs,
+        common={"max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False},
+        timeout_s=7200,
+    )  # fmt: skip
+    out: dict[str, dict] = {}
+    results = iter(spec)
+    for n in names:
+        out[n] = {}
+        for k in KS:
+            g = next(results)
+            out[n][f"k{k}"] = {
+                "mean_acceptance_length": g.mean_acceptance_length,
+                "acceptance_per_position": g.acceptance_per_position,
+                "num_drafts": g.num_drafts,
+                "outputs_match_greedy": g.outputs == plain.outputs,
+            }
+    return out

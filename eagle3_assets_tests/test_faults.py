@@ -1,0 +1,90 @@
+"""Faults an operator meets, through the real CLI: a killed run must not wedge the `gpu` pool, a
+refusal is not retried (and runs before any model loads), an instance without the pool limit
+refuses GPU runs.
+
+Each test runs `dagster asset materialize -m eagle3_assets.definitions` as an operator does, with
+`$DAGSTER_HOME` holding the repo's dagster.yaml (or not) and settings from `$EAGLE3_CONFIG`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from dagster import DagsterRunStatus
+
+from .helpers import Operator
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+def test_a_killed_cli_shard_run_does_not_wedge_the_gpu_pool(tmp_path, tiny_target_dir):
+    op = Operator(tmp_path, tiny_target_dir)
+    op.data_assets()
+    first = op.materialize("hidden_states", "rows_0-20")
+    with op.instance() as instance:
+        deadline = time.monotonic() + 300
+        # Killed (-9, its whole process group: an OOM kill, a node reboot) while it holds the pool's slot.
+        while not instance.event_log_storage.get_concurrency_info("gpu").claimed_slots:
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        (dead,) = [r for r in instance.get_runs() if r.status == DagsterRunStatus.STARTED]
+        assert [s.run_id for s in instance.event_log_storage.get_concurrency_info("gpu").claimed_slots] == [dead.run_id]
+
+    # The same command again proceeds on its own: its start fails the dead run and frees the slot.
+    second = op.materialize("hidden_states", "rows_0-20")
+    out = finish(second)
+    assert second.returncode == 0, out[-4000:]
+    assert f"run {dead.run_id} (__ASSET_JOB): its process (pid {dead.tags['eagle3/pid']}) is gone; marked failed" in out
+    with op.instance() as instance:
+        assert instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.FAILURE
+        assert instance.event_log_storage.get_concurrency_info("gpu").claimed_slots == []
+    assert op.project.store.exists("hidden_states/rows_0-20/_SUCCESS.json")
+
+
+def test_a_refused_shard_is_not_retried_and_no_model_loads_first(tmp_path, tiny_target_dir):
+    """The store cannot hold the shard (disk_margin absurdly high): one attempt, refused in preflight.
+    The backend is vLLM with a server URL where nothing listens: had it been opened before the
+    preflight, the failure would name the server instead."""
+    from eagle3_assets.settings import ExtractionSettings, VllmSettings
+
+    op = Operator(
+        tmp_path, tiny_target_dir,
+        extraction=ExtractionSettings(backend="vllm", disk_margin=1e12, max_retries=2),
+        vllm=VllmSettings(server_url="http://127.0.0.1:9"),
+    )  # fmt: skip
+    op.data_assets()
+    proc = op.materialize("hidden_states", "rows_0-20")
+    out = finish(proc)
+    assert proc.returncode != 0
+    assert "shard rows_0-20: not enough free space on" in out
+    assert "not answering /health" not in out
+    with op.instance() as instance:
+        (run,) = instance.get_runs()
+        retries = [e for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert retries == []  # RetryPolicy(max_retries=2) does not apply to a refusal
+
+
+def test_gpu_runs_are_refused_without_the_pool_limit(tmp_path, tiny_target_dir):
+    op = Operator(tmp_path, tiny_target_dir, pool_limit=False)
+    op.data_assets()
+    proc = op.materialize("hidden_states", "rows_0-20")
+    out = finish(proc)
+    assert proc.returncode != 0
+    assert "this Dagster instance has no limit for the `gpu` pool: GPU runs will be refused" in out  # at load
+    assert (
+        "steps ['hidden_states'] use the gpu pool, but this instance has no limit for it, so two runs could "
+        "extract one shard at once: copy the repo's dagster.yaml into $DAGSTER_HOME"
+    ) in out
+    assert not op.project.store.exists("hidden_states/rows_0-20")
