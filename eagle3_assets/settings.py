@@ -144,6 +144,9 @@ class VllmSettings(_Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     max_concurrency: int = Field(16, ge=1, description="requests in flight per run")
     startup_timeout_s: float = Field(900.0, gt=0)
+    cpu_kv_cache_gib: float | None = Field(
+        None, gt=0, description="the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE); None = vLLM's default, most of the RAM"
+    )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as-is")
 
 

@@ -79,7 +79,8 @@ def test_two_servers_extract_two_shards_at_once_each_row_once(tmp_path, tiny_tar
     used = {key: next(u for u in urls if f"extracting through the vLLM server at {u}" in out) for key, out in outputs.items()}
     assert sorted(used.values()) == sorted(urls), used
     with op.instance() as instance:
-        records = {r.tags["dagster/partition"]: r for r in instance.get_run_records() if "dagster/partition" in r.dagster_run.tags}
+        records = {r.dagster_run.tags["dagster/partition"]: r for r in instance.get_run_records()
+                   if "dagster/partition" in r.dagster_run.tags}  # fmt: skip
         a, b = (records[k] for k in ("rows_0-20", "rows_20-40"))
         assert a.start_time < b.end_time and b.start_time < a.end_time, "the two shard runs did not overlap"
         assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 2  # the pool follows the servers

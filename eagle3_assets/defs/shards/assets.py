@@ -76,6 +76,8 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
                 stack.callback(extractor.close)
                 backend = extractor.backend
                 result = run_shard(store, tset, plan, extractor, settings.extraction, on_progress=on_progress)
+                for note in result.notes[len(plan.notes) :]:
+                    context.log.info(note)
             else:
                 context.log.info(f"shard {shard.key}: every row is valid and its manifest agrees; nothing to extract")
         return MaterializeResult(
