@@ -3,7 +3,7 @@
 P1: samples/s through `extract_shard` (batched forward, bf16 cast, validation, atomic
     writes, manifest) / samples/s of a bare HF forward loop (batch 1,
     output_hidden_states, nothing stored) over the same rows, measured in the same run.
-P2: stored bytes per token / (4 x H x 2), the DESIGN §4 minimum for bf16 storage.
+P2: stored bytes per token / (4 x H x 2), the docs/DESIGN.md §4 minimum for bf16 storage.
 
 Run: .venv/bin/python benchmarks/bench_extraction.py [--rows 300] [--hidden 256] [--batch-tokens N] [--repeat 3]
 """

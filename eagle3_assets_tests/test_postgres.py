@@ -268,19 +268,14 @@ def test_the_step_executor_config_is_valid_and_puts_gpus_where_they_belong():
         "tokenized": (None, None),
         "vocab_map": (None, None),
         "responses": (None, None),  # a client of the vLLM server
-        "hidden_states": (None, None),  # placed by pod affinity next to the server instead
+        "hidden_states": (None, None),  # a client of the vLLM servers, on any CPU node
         "drafter": ("1", {"nvidia.com/gpu.present": "true"}),
         "drafter_eval": ("8", {"nvidia.com/gpu.present": "true"}),
     }
+    # The shard pod reads the servers' files from the shared store, not from a server's node.
     shards = _step_pod(config, "hidden_states")
-    assert shards["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0] == {
-        "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "eagle3-vllm"}},
-        "topologyKey": "kubernetes.io/hostname",
-    }
-    assert shards["volumes"] == [
-        {"name": "vllm-work", "hostPath": {"path": "/mnt/eagle3-vllm", "type": "DirectoryOrCreate"}}
-    ]
-    assert shards["containers"][0]["volumeMounts"] == [{"name": "vllm-work", "mountPath": "/mnt/eagle3-vllm"}]
+    assert "affinity" not in shards and "tolerations" not in shards
+    assert (shards["volumes"], shards["containers"][0]["volumeMounts"]) == ([], [])
 
 
 def definition_ops() -> set[str]:
@@ -335,7 +330,7 @@ def test_the_manifests_are_valid_kubernetes_objects():
     from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
 
     kinds = {
-        "Deployment": k8s.V1Deployment,
+        "StatefulSet": k8s.V1StatefulSet,
         "Service": k8s.V1Service,
         "ConfigMap": k8s.V1ConfigMap,
         "PersistentVolumeClaim": k8s.V1PersistentVolumeClaim,
@@ -350,11 +345,13 @@ def test_the_manifests_are_valid_kubernetes_objects():
             seen.append((doc["kind"], doc["metadata"]["name"]))
     assert sorted(seen) == [
         ("ConfigMap", "eagle3-env"),
-        ("Deployment", "eagle3-vllm"),
         ("PersistentVolumeClaim", "eagle3-models"),
+        ("PersistentVolumeClaim", "eagle3-store"),
         ("Secret", "dagster-postgresql-secret"),
         ("Secret", "eagle3-secrets"),
         ("Service", "eagle3-vllm"),
+        ("Service", "eagle3-vllm-pods"),
+        ("StatefulSet", "eagle3-vllm"),
     ]
 
 
@@ -366,25 +363,39 @@ def test_the_deployment_files_agree_with_each_other_and_the_settings():
     settings = load_settings({"EAGLE3_CONFIG": str(K8S / "eagle3.yaml")})
     executor = yaml.safe_load((K8S / "executor.yaml").read_text())
     values = yaml.safe_load((K8S / "values.yaml").read_text())
-    deployment, service = _manifests("vllm.yaml")
-    env = next(d for d in _manifests("config.yaml") if d["kind"] == "ConfigMap")["data"]
+    servers, service, pods = _manifests("vllm.yaml")
+    config = _manifests("config.yaml")
+    env = next(d for d in config if d["kind"] == "ConfigMap")["data"]
     secrets = next(d for d in _manifests("secrets.example.yaml") if d["metadata"]["name"] == "eagle3-secrets")
+    server_pod = servers["spec"]["template"]["spec"]
+    (vllm,) = server_pod["containers"]
 
-    # The pipeline reaches the server through its Service, on the port the server listens on.
+    def arg(name: str) -> str:
+        return vllm["args"][vllm["args"].index(name) + 1]
+
+    # Generation reaches every server through the Service, on the port the servers listen on.
     url = urlsplit(settings.vllm.server_url)
     assert (url.hostname, url.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
-    (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert vllm["args"][vllm["args"].index("--port") + 1] == str(url.port)
-    # Shard pods find the server's node by its label, and its files at the same host path.
-    shard_pod = executor["per_step_k8s_config"]["hidden_states"]["pod_spec_config"]
-    selector = shard_pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
-    server_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert selector["labelSelector"]["matchLabels"].items() <= server_labels.items()
-    host_paths = {v["hostPath"]["path"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
-    assert {v["hostPath"]["path"] for v in shard_pod["volumes"]} == host_paths
-    workdir = vllm["args"][vllm["args"].index("--workdir") + 1]
-    mount = executor["per_step_k8s_config"]["hidden_states"]["container_config"]["volumeMounts"][0]["mountPath"]
-    assert workdir.startswith(mount + "/")
+    assert arg("--port") == str(url.port)
+    # Extraction names each server of the StatefulSet by its pod's DNS name: one per replica.
+    assert servers["spec"]["serviceName"] == pods["metadata"]["name"] and pods["spec"]["clusterIP"] == "None"
+    names = [f"{servers['metadata']['name']}-{i}.{pods['metadata']['name']}" for i in range(servers["spec"]["replicas"])]
+    assert [(urlsplit(u).hostname, urlsplit(u).port) for u in settings.vllm.server_urls] == [(n, url.port) for n in names]
+    # One server per GPU node, each with the node's GPUs.
+    anti = server_pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"].items() <= servers["spec"]["template"]["metadata"]["labels"].items()
+    assert int(vllm["resources"]["limits"]["nvidia.com/gpu"]) == settings.vllm.tensor_parallel_size
+    # The servers write sample files into the store every pod mounts, at EAGLE3_ROOT.
+    store_claim = next(d for d in config if d["metadata"]["name"] == "eagle3-store")
+    assert store_claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    server_mounts = {m["name"]: m["mountPath"] for m in vllm["volumeMounts"]}
+    server_claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in server_pod["volumes"] if "persistentVolumeClaim" in v}
+    assert arg("--write-root") == env["EAGLE3_ROOT"] == server_mounts["store"]
+    assert server_claims["store"] == store_claim["metadata"]["name"]
+    assert vllm["envFrom"] == [{"configMapRef": {"name": "eagle3-env"}}]
+    # A pool slot per server: N shard runs at once.
+    assert values["concurrency"]["pools"]["defaultLimit"] == len(settings.vllm.server_urls)
     # drafter_eval's GPUs match the tensor-parallel size it serves with.
     eval_gpus = executor["per_step_k8s_config"]["drafter_eval"]["container_config"]["resources"]["limits"]
     assert int(eval_gpus["nvidia.com/gpu"]) == settings.vllm.tensor_parallel_size
@@ -394,15 +405,17 @@ def test_the_deployment_files_agree_with_each_other_and_the_settings():
     assert [c["name"] for c in code["envConfigMaps"]] == ["eagle3-env"]
     assert [s["name"] for s in code["envSecrets"]] == [secrets["metadata"]["name"]]
     mounts = {m["name"]: m["mountPath"] for m in code["volumeMounts"]}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in code["volumes"] if "persistentVolumeClaim" in v}
+    assert (mounts["store"], claims["store"]) == (env["EAGLE3_ROOT"], "eagle3-store")
+    assert server_mounts["models"] == mounts["models"]
     assert env["EAGLE3_CONFIG"] == mounts["eagle3-config"] + "/eagle3.yaml"
     assert env["EAGLE3_K8S_EXECUTOR"] == mounts["eagle3-config"] + "/executor.yaml"
     assert settings.target_model.startswith(mounts["models"] + "/")
     assert settings.alerts.webhook_env in secrets["stringData"]
     kustomize = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert kustomize["configMapGenerator"][0]["files"] == ["eagle3.yaml", "executor.yaml"]
-    # The instance matches the repo's dagster.yaml: one gpu-pool slot, four runs, run monitoring on.
+    # The instance matches the repo's dagster.yaml (but for the pool limit): four runs, run monitoring on.
     repo = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
-    assert values["concurrency"]["pools"]["defaultLimit"] == repo["concurrency"]["pools"]["default_limit"]
     assert values["concurrency"]["runs"]["maxConcurrentRuns"] == repo["concurrency"]["runs"]["max_concurrent_runs"]
     assert values["dagsterDaemon"]["runMonitoring"]["enabled"] and repo["run_monitoring"]["enabled"]
     assert values["runLauncher"]["type"] == "K8sRunLauncher"

@@ -1,0 +1,214 @@
+"""Peer benchmark: our EAGLE-3 drafter against speculators' (PyPI 0.9.0), same data, same steps, same server.
+
+One command (tens of minutes on 2 cores):
+
+    .venv/bin/python benchmarks/bench_peer_speculators.py --store /tmp/recipe-demo-store --out /tmp/peer-bench
+
+`--store` is the demo store (built there the first time: the project's demo graph through the
+shards, `drafter_runs.demo_store`); both backends store the pre-norm last state speculators
+needs. The peer venv (`.peer/speculators/`) is created on first use by
+`benchmarks/peer/setup_speculators_venv.sh`. Ours trains with the demo's training settings
+(our defaults), `--recipe` overriding any of them. Figures go to stdout (a table) and
+`<out>/report.json`.
+
+What it does
+------------
+1. Converts the shards into speculators' layout (`benchmarks/peer/convert_shards.py`): the
+   same training rows as ours (`index_samples` + `split_heldout(training.heldout_rows, seed)`),
+   the same vocab map (d2t/t2d), the held-out rows as speculators' validation split.
+2. Trains OUR drafter for `--steps` optimizer steps (`training.steps`: the schedule is exactly
+   that long) into a scratch store beside the demo's (`drafter_runs.train`) and exports it.
+3. Trains SPECULATORS' drafter for the same `--steps` in the peer venv
+   (`benchmarks/peer/speculators_cpu.py`, a CPU wrapper around its own trainer), with the
+   same lr, warmup, cosine schedule, TTT steps, step weight (speculators'
+   `ttt_step_loss_decay`), seed, AdamW and weight decay, and a packed token budget per step
+   equal to the real (unpadded) tokens per step our run averaged (`--spec-total-seq-len
+   match`), so both see about the same tokens per step. Everything else is speculators'
+   default recipe (norm_before_fc / norm_output / norm_before_residual, KL loss, frozen
+   lm_head, grad clip 1.0, AdamW betas (0.9, 0.999)).
+4. Equal CPU-seconds (method): the CPU time speculators spent on its `--steps` training
+   steps buys ours M = round(spec CPU seconds / our CPU seconds per step) steps; ours is
+   trained again, from scratch, with its schedule spanning M steps (same lr, warmup,
+   everything else), exported, and served like the others.
+   The equal-CPU ratio is that run's acceptance over speculators' `--steps` run. (Not the
+   other way round: speculators is the slower one per step, so cutting it down to our CPU
+   budget would compare a few dozen of its steps with our full run.) `--no-equal-cpu` skips it.
+5. Serves every drafter with the same script (`drafter_runs.serve`: one vLLM interpreter):
+   the demo's held-out eval prompts, greedy, plain and with each drafter at k=3 and k=7, and
+   checks that every speculative output equals the plain greedy output.
+
+CPU seconds are process time (`time.process_time()`: every thread of the training process,
+data loading included; validation, checkpoints and export excluded), per optimizer step,
+first step excluded (it carries one-off setup in our run), mean over the rest. Both trainers
+run with the same torch thread count (`--threads`, default 1: with 2 shared cores, more
+threads make OpenMP spin-waits count as CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_DIR = Path(__file__).resolve().parent / "peer"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(PEER_DIR))
+
+from convert_shards import convert  # noqa: E402
+from drafter_runs import KS, demo_store, log, serve, steady, train  # noqa: E402
+
+from eagle3_assets.settings import TrainingSettings, demo_settings  # noqa: E402
+
+PEER_VENV = ROOT / ".peer" / "speculators"
+SETUP_SCRIPT = PEER_DIR / "setup_speculators_venv.sh"
+WRAPPER = PEER_DIR / "speculators_cpu.py"
+
+
+# -- speculators -----------------------------------------------------------------------
+
+
+def ensure_peer_venv() -> Path:
+    py = PEER_VENV / "bin" / "python"
+    subprocess.run(["bash", str(SETUP_SCRIPT)], check=True)
+    return py
+
+
+def train_speculators(py: Path, data_dir: Path, target_dir: Path, out: Path, args, total_seq_len: int) -> dict:
+    cmd = [
+        str(py), str(WRAPPER), "--data", str(data_dir), "--target", str(target_dir), "--out", str(out),
+        "--steps", str(args.steps), "--lr", repr(args.lr), "--warmup-steps", str(args.warmup_steps),
+        "--ttt-steps", str(args.ttt_steps), "--step-weight", repr(args.step_weight),
+        "--total-seq-len", str(total_seq_len), "--optimizer", args.spec_optimizer,
+        "--weight-decay", repr(args.weight_decay), "--attn-impl", args.spec_attn_impl,
+        "--dtype", args.spec_dtype, "--seed", str(args.seed), "--threads", str(args.threads),
+    ]  # fmt: skip
+    log_path = out.parent / f"{out.name}.log"
+    log(f"speculators: training {args.steps} steps in the peer venv (log {log_path})")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env.pop("PYTHONPATH", None)  # nothing of ours in the peer's interpreter
+    with open(log_path, "w") as f:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, cwd=tempfile.gettempdir())
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"speculators wrapper failed (exit {proc.returncode}):\n{tail}")
+    r = json.loads(lines[-1])
+    r["cpu_s_per_step_mean"] = steady(r["cpu_s_per_step"])  # same statistic as ours: first step excluded
+    r["log"] = str(log_path)
+    return r
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def ratios(served: dict, a: str, b: str) -> dict:
+    return {f"k{k}": served[a][f"k{k}"]["mean_acceptance_length"] / served[b][f"k{k}"]["mean_acceptance_length"] for k in KS}
+
+
+def print_table(report: dict) -> None:
+    s = report["served"]
+    print(f"\n{'drafter':<16}{'steps':>7}{'CPU s/step':>12}{'tok/step':>10}{'acc.len k3':>12}{'acc.len k7':>12}  per position k7")
+    for name in ("ours", "ours_equal_cpu", "speculators"):
+        if name not in report:
+            continue
+        t, k3, k7 = report[name], s[name]["k3"], s[name]["k7"]
+        pos = " ".join(f"{x:.3f}" for x in k7["acceptance_per_position"])
+        print(
+            f"{name:<16}{t['steps']:>7}{t['cpu_s_per_step']:>12.3f}{t['tokens_per_step']:>10.0f}"
+            f"{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}  {pos}"
+        )
+    r = report["ratios"]
+    print(f"\nours / speculators, equal steps:        k3 {r['equal_steps']['k3']:.3f}  k7 {r['equal_steps']['k7']:.3f}")
+    if "equal_cpu_seconds" in r:
+        e = r["equal_cpu_seconds"]
+        print(f"ours / speculators, equal CPU-seconds:  k3 {e['k3']:.3f}  k7 {e['k7']:.3f}  (ours {report['ours_equal_cpu']['steps']} steps)")
+    print(f"CPU s/step speculators / ours:          {r['cpu_per_step_spec_over_ours']:.2f}x")
+    ok = all(v["outputs_match_greedy"] for n in s for v in s[n].values())
+    print(f"speculative output == plain greedy for every drafter and k: {ok}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    demo = demo_settings()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", type=Path, default=Path("/tmp/recipe-demo-store"), help="demo store (built if missing)")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "peer-bench", help="scratch + report dir")
+    ap.add_argument("--steps", type=int, default=155, help="optimizer steps for both trainers")
+    ap.add_argument("--recipe", default="{}", help="our training options as JSON, over the demo's training settings")
+    ap.add_argument("--spec-total-seq-len", default="match", help="speculators' packed tokens per step; 'match' = ours")
+    ap.add_argument("--spec-optimizer", default="adamw", choices=["adamw", "muon"], help="speculators' default is muon")
+    ap.add_argument("--spec-attn-impl", default="sdpa", choices=["sdpa", "eager"], help="flex attention: no CPU backward")
+    ap.add_argument("--spec-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each trainer")
+    ap.add_argument("--no-equal-cpu", action="store_true", help="skip the equal-CPU-seconds run of ours")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    project = demo_store(args.store)
+    store = project.store
+    base: TrainingSettings = project.settings.training.model_validate(
+        project.settings.training.model_dump() | json.loads(args.recipe) | {"steps": args.steps, "device": "cpu"}
+    )
+    # speculators' flags come from ours, so both see the same schedule and data.
+    args.lr, args.warmup_steps, args.ttt_steps, args.step_weight = base.lr, base.warmup_steps, base.ttt_steps, base.step_weight
+    args.weight_decay, args.seed = base.weight_decay, base.seed
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    py = ensure_peer_venv()
+    timings["peer_venv_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    data_dir = out / "speculators_data"
+    manifest = convert(store.local_path(""), data_dir, heldout_rows=base.heldout_rows, seed=base.seed)
+    timings["convert_s"] = time.perf_counter() - t
+    log(f"converted {manifest['n_train']} training + {manifest['n_heldout']} held-out rows into {data_dir}")
+
+    t = time.perf_counter()
+    ours = train(project, base, "ours", out, threads=args.threads)
+    timings["ours_s"] = time.perf_counter() - t
+    seq_len = round(ours.tokens_per_step) if args.spec_total_seq_len == "match" else int(args.spec_total_seq_len)
+    t = time.perf_counter()
+    spec = train_speculators(py, data_dir, project.target_dir(), out / "speculators_run", args, seq_len)
+    timings["speculators_s"] = time.perf_counter() - t
+    spec |= {"cpu_s_per_step": spec["cpu_s_per_step_mean"], "tokens_per_step": spec["tokens_per_step_mean"] or 0.0}
+
+    report: dict = {"ours": ours.as_json(), "speculators": {k: v for k, v in spec.items() if k != "cpu_s_per_step_list"}}
+    drafters = {"ours": ours.export_dir, "speculators": Path(spec["export_dir"])}
+    if not args.no_equal_cpu:
+        m = max(1, round(spec["cpu_s_train_steps"] / ours.cpu_s_per_step))
+        t = time.perf_counter()
+        equal = train(project, base.model_copy(update={"steps": m}), "ours_equal_cpu", out, threads=args.threads)
+        timings["ours_equal_cpu_s"] = time.perf_counter() - t
+        report["ours_equal_cpu"] = equal.as_json()
+        drafters["ours_equal_cpu"] = equal.export_dir
+
+    t = time.perf_counter()
+    report["served"] = served = serve(project.target(), project, drafters, demo.generation.max_new_tokens)
+    timings["serve_s"] = time.perf_counter() - t
+    report["ratios"] = {
+        "equal_steps": ratios(served, "ours", "speculators"),
+        "cpu_per_step_spec_over_ours": spec["cpu_s_per_step"] / ours.cpu_s_per_step,
+    }
+    if "ours_equal_cpu" in report:
+        report["ratios"]["equal_cpu_seconds"] = ratios(served, "ours_equal_cpu", "speculators")
+    timings["total_s"] = time.perf_counter() - t_start
+    report["timings"] = timings
+    report["recipe"] = base.model_dump()
+    report["data"] = {k: v for k, v in manifest.items() if k != "rows"}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print_table(report)
+    log(f"report: {out / 'report.json'} ({timings['total_s'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    if "--help" not in sys.argv and "-h" not in sys.argv:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
