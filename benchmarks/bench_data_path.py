@@ -10,9 +10,13 @@ through the functions the two paths run, one sample after another:
   connector saves vLLM's raw file in its own directory; the client reads it back, checks and
   splits it (`split_hidden_states`), encodes our sample file, validates it (`sample_problem`),
   writes it to the store, and deletes the raw file;
-- one write (the connector writes into the store): the connector splits, encodes
-  (`encode_hidden` + `pack_sample`) and writes the sample file atomically (`write_atomically`);
-  the client reads it back and validates it (`sample_problem`).
+- one write (the connector writes into the store), as on the CPU build: the connector
+  splits, checks the values (`tensor_problem`), encodes (`encode_hidden`) and streams the
+  sample file atomically (`sample_buffers` + `write_atomically`); the client verifies its
+  header, ids and mask (`written_sample_problem`);
+- one write, host side: the same from the encoded tensors in host memory, which is what is
+  left to the CPU on a GPU node (the split, checks and cast run on the device there, and
+  the copy to pinned memory is asynchronous).
 
 The baseline writes the final file's bytes with open/write/close, no encoding, same directory.
 Page cache included on all three: the ratio is what the code costs, not what the disk does.
@@ -38,8 +42,10 @@ from eagle3_assets.hidden_states.sample_file import (  # noqa: E402
     SampleSpec,
     encode_hidden,
     encode_sample,
-    pack_sample,
+    sample_buffers,
     sample_problem,
+    tensor_problem,
+    written_sample_problem,
 )
 from eagle3_assets.hidden_states.vllm_extractor import split_hidden_states  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
@@ -99,19 +105,31 @@ def main(argv: list[str] | None = None) -> int:
 
         index = {layer: j for j, layer in enumerate(layers)}
 
+        def split(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """What the connector does with the cached layers of a finished request."""
+            return hs[:, [index[j] for j in spec.aux_layer_ids], :].reshape(T, -1), hs[:, index[32], :]
+
+        def write_and_verify(i: int, hidden: dict[str, torch.Tensor], where: str) -> None:
+            path = str(store.local_path(f"{where}/{i}.safetensors"))
+            write_atomically(sample_buffers(row=i, input_ids=ids, loss_mask=mask, hidden=hidden, spec=spec, backend="vllm"), path)
+            assert written_sample_problem(path, row=i, input_ids=ids, loss_mask=mask, spec=spec) == (None, len(payloads[i]))
+
         def one_write() -> None:
             for i in range(args.samples):
-                hs = states[i]  # what the connector holds, as it splits the cached layers
-                aux = hs[:, [index[j] for j in spec.aux_layer_ids], :].reshape(T, -1)
-                data = pack_sample(row=i, input_ids=ids, loss_mask=mask, hidden=encode_hidden(aux, hs[:, index[32], :], spec.dtype),
-                                   spec=spec, backend="vllm")  # fmt: skip
-                path = store.local_path(f"one/{i}.safetensors")
-                write_atomically(data, str(path))
-                assert sample_problem(path.read_bytes(), row=i, input_ids=ids, loss_mask=mask, spec=spec) is None
+                aux, last = split(states[i])
+                assert tensor_problem("aux", aux) is None and tensor_problem("last", last) is None
+                write_and_verify(i, encode_hidden(aux, last, spec.dtype), "one")
 
-        timings: dict[str, list[float]] = {"raw": [], "two writes": [], "one write": []}
+        encoded = [encode_hidden(*split(hs), spec.dtype) for hs in states]
+
+        def host_side() -> None:
+            for i in range(args.samples):
+                write_and_verify(i, encoded[i], "host")
+
+        paths = {"raw": raw, "two writes": two_writes, "one write": one_write, "host side": host_side}
+        timings: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(args.repeat):
-            for name, fn in (("raw", raw), ("two writes", two_writes), ("one write", one_write)):
+            for name, fn in paths.items():
                 t0 = time.perf_counter()
                 fn()
                 timings[name].append(time.perf_counter() - t0)

@@ -37,10 +37,15 @@ from eagle3_assets.hidden_states.sample_file import (
     SampleSpec,
     decode_hidden,
     manifest_path,
+    encode_hidden,
+    pack_sample,
     parse_header,
+    sample_buffers,
     sample_path,
     sample_problem,
     shard_dir,
+    tensor_problem,
+    written_sample_problem,
 )
 from eagle3_assets.hidden_states.shard import (
     ExtractionProgress,
@@ -298,6 +303,94 @@ def test_float8_storage_halves_the_hidden_bytes_and_decodes_within_e4m3_precisio
     assert sample_problem(data, row=1, input_ids=ids, loss_mask=mask, spec=fp8) == (
         "aux_hidden_states_scale has non-finite or non-positive scales"
     )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_the_streamed_file_is_a_safetensors_file_with_aligned_tensors(dtype: str):
+    T = 7  # odd: the uint8 mask must not push a wider tensor off its alignment
+    spec = SampleSpec(H, tuple(AUX), dtype, MODEL_NAME, "pre_norm")
+    ids, mask = np.arange(T, dtype=np.int32) + 5, np.array([0, 0, 1, 1, 1, 0, 1], np.uint8)
+    hidden = encode_hidden(torch.randn(T, 3 * H), torch.randn(T, H), dtype)
+    buffers = sample_buffers(row=4, input_ids=ids, loss_mask=mask, hidden=hidden, spec=spec, backend="vllm")
+    data = pack_sample(row=4, input_ids=ids, loss_mask=mask, hidden=hidden, spec=spec, backend="vllm")
+    assert data == b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+    # safetensors reads it: the same tensors, bit for bit, and the metadata the format names.
+    tensors = st_load(data)
+    assert sorted(tensors) == sorted(["input_ids", "loss_mask", *hidden])
+    assert tensors["input_ids"].tolist() == ids.tolist() and tensors["loss_mask"].tolist() == mask.tolist()
+    for name, t in hidden.items():
+        assert tensors[name].dtype == t.dtype and torch.equal(tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    header, problem = parse_header(data)
+    assert problem is None and header["__metadata__"] == {
+        "format": FORMAT, "aux_layer_ids": "[1, 2, 3]", "last_hidden_state_norm": "pre_norm", "model": MODEL_NAME,
+        "dtype": dtype, "hidden_size": str(H), "row": "4", "backend": "vllm",
+    }  # fmt: skip
+    start = 8 + int.from_bytes(data[:8], "little")
+    assert start % 8 == 0
+    for name, t in tensors.items():
+        assert header[name]["data_offsets"][0] % t.element_size() == 0, name
+    with safe_open_bytes(data) as f:  # the memory-mapped reader too
+        assert torch.equal(f.get_tensor("input_ids"), tensors["input_ids"])
+    assert sample_problem(data, row=4, input_ids=ids, loss_mask=mask, spec=spec) is None
+
+
+@contextmanager
+def safe_open_bytes(data: bytes) -> Iterator:
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as tmp:
+        tmp.write(data)
+        tmp.flush()
+        with safe_open(tmp.name, framework="pt") as f:
+            yield f
+
+
+def test_a_file_written_by_the_server_is_verified_from_its_header_ids_and_mask(tmp_path: Path):
+    T = 9
+    spec = SampleSpec(H, tuple(AUX), "bfloat16", MODEL_NAME, "pre_norm")
+    ids, mask = np.arange(T, dtype=np.int32), np.ones(T, np.uint8)
+    data = pack_sample(
+        row=2, input_ids=ids, loss_mask=mask, hidden=encode_hidden(torch.randn(T, 3 * H), torch.randn(T, H), "bfloat16"),
+        spec=spec, backend="vllm",
+    )  # fmt: skip
+    path = tmp_path / "2.safetensors"
+
+    def problem(content: bytes, **row) -> str | None:
+        path.write_bytes(content)
+        got, size = written_sample_problem(str(path), **({"row": 2, "input_ids": ids, "loss_mask": mask} | row), spec=spec)
+        assert size == len(content)
+        return got
+
+    assert problem(data) is None
+    assert problem(data[:-3]) == f"truncated ({len(data) - 3} bytes, header describes {len(data)})"
+    assert problem(data, row=3) == "metadata row is '2', expected '3'"
+    other = ids.copy()
+    other[[1, 4]] = 200
+    assert problem(data, input_ids=other) == "input_ids differ from tokenized row 2 at 2 of 9 positions"
+    assert problem(data, loss_mask=np.zeros(T, np.uint8)) == "loss_mask differs from tokenized row 2 at 9 of 9 positions"
+    assert problem(data, input_ids=ids[:8], loss_mask=mask[:8]) == (
+        "holds 9 tokens x 64 in bfloat16, expected 8 x 64 in bfloat16 (tokenized row 2)"
+    )
+    assert problem(b"\x01") == "truncated, not a safetensors file"
+
+
+def test_tensor_problem_finds_non_finite_and_all_zero_values_whatever_their_sum():
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    assert tensor_problem("x", x) is None
+    assert tensor_problem("x", torch.tensor([[1.0, -1.0]])) is None  # sums to zero, not all zero
+    assert tensor_problem("x", torch.zeros(3, 4)) == "x all zero"
+    nan, inf = x.clone(), x.clone()
+    nan[1, 2], inf[0, 0], inf[4, 7] = float("nan"), float("inf"), float("-inf")
+    assert tensor_problem("x", nan) == "x has 1 non-finite values"
+    assert tensor_problem("x", inf) == "x has 2 non-finite values"
+
+
+def test_the_connector_writes_no_sample_whose_values_it_finds_bad():
+    from eagle3_assets.vllm_server.connector import _flags_problem, _value_flags
+
+    aux, last = torch.randn(4, 3 * H), torch.randn(4, H)
+    assert _flags_problem(_value_flags(aux, last)) is None
+    aux[2, 5] = float("nan")
+    assert _flags_problem(_value_flags(aux, last)) == "aux_hidden_states has non-finite values"
+    assert _flags_problem(_value_flags(torch.randn(4, 3 * H), torch.zeros(4, H))) == "last_hidden_state all zero"
 
 
 # -- progress -----------------------------------------------------------------------

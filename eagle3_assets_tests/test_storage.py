@@ -3,7 +3,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 

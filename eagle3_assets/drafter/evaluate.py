@@ -12,7 +12,6 @@ against template tokens, which the text predicts.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np

@@ -19,12 +19,15 @@ dtype, hidden_size, row, backend. Float8 (`float8_e4m3fn`) stores `x / scale` wi
 float8) are read as before, so shards written before stay valid.
 
 `sample_problem` is the one validation both the resume scan and the integrity check
-apply, so a file extraction would skip is exactly a file the check accepts.
+apply, so a file extraction would skip is exactly a file the check accepts;
+`written_sample_problem` is its header-only part, for files the vLLM server wrote itself.
+`sample_buffers` is the one writer: the file as buffers streamed to disk without a copy.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from typing import IO, Literal
@@ -33,7 +36,6 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 FORMAT = "eagle3-hidden-states/2"
 READABLE_FORMATS = ("eagle3-hidden-states/1", FORMAT)
@@ -55,6 +57,7 @@ SCALED_DTYPES = ("float8_e4m3fn",)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # How safetensors headers name the dtypes.
 HEADER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
+TENSOR_DTYPES = {STORAGE_DTYPES[v]: k for k, v in HEADER_DTYPES.items()} | {torch.int32: "I32", torch.uint8: "U8"}
 # What a float8 file is decoded to: wide enough for e4m3 times its scale, half the size of float32.
 DECODED_DTYPE = torch.bfloat16
 
@@ -166,10 +169,16 @@ def encode_hidden(aux_hidden_states: torch.Tensor, last_hidden_state: torch.Tens
     return out
 
 
-def pack_sample(
+def sample_buffers(
     *, row: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden: dict[str, torch.Tensor], spec: SampleSpec, backend: str
-) -> bytes:
-    """The file's bytes from `encode_hidden`'s tensors. `spec.model` and `spec.last_hidden_state_norm` are recorded."""
+) -> list[bytes | np.ndarray]:
+    """One row's file as buffers, in file order: the safetensors header, then each tensor's bytes.
+
+    A writer streams them to disk one after another (`write_sample_file`), so the hidden
+    states are never joined into a second copy in memory; safetensors reads the result.
+    Tensors are laid out widest element first, as safetensors lays them out, so each starts
+    at a multiple of its element size. `spec.model` and `spec.last_hidden_state_norm` are recorded.
+    """
     if spec.model is None or spec.last_hidden_state_norm is None:
         raise ValueError("a sample file records spec.model and spec.last_hidden_state_norm: both must be set")
     tensors = {
@@ -177,17 +186,51 @@ def pack_sample(
         "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
         **{name: t.to("cpu").contiguous() for name, t in hidden.items()},
     }
-    metadata = {
-        "format": FORMAT,
-        "aux_layer_ids": json.dumps(list(spec.aux_layer_ids)),
-        "last_hidden_state_norm": spec.last_hidden_state_norm,
-        "model": spec.model,
-        "dtype": spec.dtype,
-        "hidden_size": str(spec.hidden_size),
-        "row": str(row),
-        "backend": backend,
+    header: dict = {
+        "__metadata__": {
+            "format": FORMAT,
+            "aux_layer_ids": json.dumps(list(spec.aux_layer_ids)),
+            "last_hidden_state_norm": spec.last_hidden_state_norm,
+            "model": spec.model,
+            "dtype": spec.dtype,
+            "hidden_size": str(spec.hidden_size),
+            "row": str(row),
+            "backend": backend,
+        }
     }
-    return st_save(tensors, metadata=metadata)
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": TENSOR_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    # view(uint8).numpy(): the tensor's own memory, little-endian as safetensors stores it.
+    return [struct.pack("<Q", len(text)) + text, *(tensors[n].reshape(-1).view(torch.uint8).numpy() for n in order)]
+
+
+def pack_sample(
+    *, row: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden: dict[str, torch.Tensor], spec: SampleSpec, backend: str
+) -> bytes:
+    """The file's bytes from `encode_hidden`'s tensors (`sample_buffers`, joined)."""
+    buffers = sample_buffers(row=row, input_ids=input_ids, loss_mask=loss_mask, hidden=hidden, spec=spec, backend=backend)
+    return b"".join(memoryview(b).cast("B") for b in buffers)
+
+
+def write_sample_file(buffers: list[bytes | np.ndarray], filename: str, temporary: str) -> int:
+    """Write `sample_buffers` to `filename` through `temporary` (same directory), renamed into place:
+    a reader never sees half a file. Returns the file's size."""
+    try:
+        with open(temporary, "wb") as f:
+            f.writelines(buffers)
+            size = f.tell()
+        os.replace(temporary, filename)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    return size
 
 
 def encode_sample(
@@ -311,6 +354,11 @@ def describe_header(header: dict) -> tuple[SampleHeader | None, str | None]:
 
 def tensor_problem(name: str, t: torch.Tensor) -> str | None:
     """Non-finite values or an all-zero tensor: what a crashed or unwritten buffer looks like."""
+    # A finite, non-zero sum proves both at a fraction of the cost (a NaN or inf makes the sum
+    # non-finite); only a sum that fails it is looked at value by value.
+    total = t.sum()
+    if t.numel() and bool(torch.isfinite(total)) and bool(total != 0):
+        return None
     bad = int((~torch.isfinite(t)).sum())
     if bad:
         return f"{name} has {bad} non-finite values"
@@ -319,21 +367,8 @@ def tensor_problem(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def sample_problem(
-    data: bytes, *, row: int, input_ids: np.ndarray, loss_mask: np.ndarray, spec: SampleSpec
-) -> str | None:
-    """Why `data` is not a valid file for tokenized `row` (input_ids/loss_mask), or None when it is."""
-    header, problem = parse_header(data)
-    if problem:
-        return problem
-    try:
-        tensors = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        return f"cannot load: {e}"
-    if set(tensors) != set(tensor_names(spec.dtype)):
-        return f"tensors {sorted(tensors)} differ from the spec {sorted(tensor_names(spec.dtype))}"
-
-    meta = header.get("__metadata__") or {}
+def metadata_problem(meta: dict[str, str], *, row: int, spec: SampleSpec) -> str | None:
+    """Why a file's metadata does not belong to tokenized `row` under `spec`, or None."""
     if meta.get("format") not in READABLE_FORMATS:
         return f"metadata format is {meta.get('format')!r}, expected one of {list(READABLE_FORMATS)}"
     expected_meta = {
@@ -358,7 +393,26 @@ def sample_problem(
     norm = meta.get("last_hidden_state_norm")
     if norm not in NORM_CONVENTIONS:
         return f"metadata last_hidden_state_norm is {norm!r}, expected one of {NORM_CONVENTIONS}"
+    return None
 
+
+def sample_problem(
+    data: bytes, *, row: int, input_ids: np.ndarray, loss_mask: np.ndarray, spec: SampleSpec
+) -> str | None:
+    """Why `data` is not a valid file for tokenized `row` (input_ids/loss_mask), or None when it is."""
+    header, problem = parse_header(data)
+    if problem:
+        return problem
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        return f"cannot load: {e}"
+    if set(tensors) != set(tensor_names(spec.dtype)):
+        return f"tensors {sorted(tensors)} differ from the spec {sorted(tensor_names(spec.dtype))}"
+
+    problem = metadata_problem(header.get("__metadata__") or {}, row=row, spec=spec)
+    if problem:
+        return problem
     T, H = len(input_ids), spec.hidden_size
     stored = STORAGE_DTYPES[spec.dtype]
     want_shapes = {
@@ -391,3 +445,43 @@ def sample_problem(
         if problem:
             return problem
     return None
+
+
+def written_sample_problem(
+    path: str, *, row: int, input_ids: np.ndarray, loss_mask: np.ndarray, spec: SampleSpec
+) -> tuple[str | None, int]:
+    """(problem, size) of a file another process wrote (the vLLM server), reading only its header,
+    input_ids and loss_mask: that it is complete, is tokenized `row`'s and has the spec's layout.
+
+    Its values were checked finite and non-zero where they were computed, before writing (the
+    connector); the blocking integrity check reads every value after the shard.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, problem = read_header(f)
+        if problem:
+            return problem, size
+        data_start = f.tell()
+        summary, problem = describe_header(header)
+        if problem:
+            return problem, size
+        problem = metadata_problem(header.get("__metadata__") or {}, row=row, spec=spec)
+        if problem:
+            return problem, size
+        T = len(input_ids)
+        if (summary.length, summary.hidden_size, summary.dtype) != (T, spec.hidden_size, spec.dtype):
+            return (
+                f"holds {summary.length} tokens x {summary.hidden_size} in {summary.dtype}, expected {T} x "
+                f"{spec.hidden_size} in {spec.dtype} (tokenized row {row})"
+            ), size
+        ends = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        if size != data_start + ends:
+            return f"truncated ({size} bytes, header describes {data_start + ends})", size
+        for name, want, dtype in (("input_ids", input_ids, np.int32), ("loss_mask", loss_mask, np.uint8)):
+            begin, end = header[name]["data_offsets"]
+            f.seek(data_start + begin)
+            differ = int((np.frombuffer(f.read(end - begin), dtype=dtype) != np.asarray(want)).sum())
+            if differ:
+                verb = "differ" if name == "input_ids" else "differs"
+                return f"{name} {verb} from tokenized row {row} at {differ} of {T} positions", size
+    return None, size

@@ -43,6 +43,7 @@ from eagle3_assets.hidden_states.sample_file import (
     sample_path,
     sample_problem,
     shard_dir,
+    written_sample_problem,
 )
 from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shards import Shard
@@ -293,21 +294,23 @@ def _write_sample(
 
 
 def _verify_written(store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, written: WrittenSample, spec: SampleSpec) -> int:
-    """Read back a file the backend wrote itself and validate it; a bad one is removed and fails the shard."""
+    """Check a file the backend wrote itself (header, ids, mask: its values were checked where they
+    were computed); a bad one is removed and fails the shard. Returns its size."""
     rel = sample_path(shard.key, written.row)
     ids, mask = tokenized.row(written.row)
     try:
-        data = store.read_bytes(rel)
-    except (StoreError, OSError) as e:
+        problem, size = written_sample_problem(
+            str(store.local_path(rel)), row=written.row, input_ids=ids, loss_mask=mask, spec=spec
+        )
+    except OSError as e:
         raise ShardExtractionError(f"shard {shard.key} row {written.row}: the backend's file is unreadable: {e}") from e
-    problem = sample_problem(data, row=written.row, input_ids=ids, loss_mask=mask, spec=spec)
     if problem:
         store.remove(rel)
         raise ShardExtractionError(
             f"shard {shard.key} row {written.row}: the file the backend wrote ({store.url_of(rel)}) is invalid and was "
             f"removed: {problem}"
         )
-    return len(data)
+    return size
 
 
 @dataclass

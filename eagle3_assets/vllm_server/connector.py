@@ -8,7 +8,10 @@ subclass of the stock `ExampleHiddenStatesConnector` adds what the pipeline need
 - a request carrying our sample parameters gets its final sample file, in our format,
   written atomically at the path it names (a shard directory of the artifact store):
   the aux layers split from layer N, cast or float8-quantized, with the row's tokens and
-  loss mask. One write per sample; the client only reads it back to verify it. Paths
+  loss mask. One write per sample, streamed from the tensors without a joined copy; its
+  values are checked finite and non-zero here, where they are computed (on the GPU there),
+  and a sample that fails is not written (the error is logged, and the client fails the
+  row). The client reads back only the header, ids and mask to verify it. Paths
   outside the configured `write_roots` are refused (the file goes to the server's own
   directory instead, which the client reports).
 - other requests get vLLM's raw file in the server's storage directory, as before.
@@ -37,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from eagle3_assets.hidden_states.sample_file import encode_hidden, pack_sample
+from eagle3_assets.hidden_states.sample_file import HIDDEN_NAMES, encode_hidden, sample_buffers, tensor_problem, write_sample_file
 from eagle3_assets.vllm_server.protocol import SampleParams, is_under, lock_path, mask_from_spans, temporary_path
 
 logger = init_logger(__name__)
@@ -65,17 +68,26 @@ def _slot_mapping(block_ids: list[int], block_size: int) -> torch.Tensor:
     return (blocks.reshape(-1, 1) * block_size + offsets.reshape(1, -1)).flatten()
 
 
-def write_atomically(data: bytes, filename: str) -> None:
-    """Write under a store-temporary name in the same directory, then rename: a reader never sees half a file."""
+def write_atomically(buffers: list, filename: str) -> int:
+    """Write `buffers` under a store-temporary name in the same directory, then rename: a reader never
+    sees half a file. Returns the file's size."""
     os.makedirs(os.path.dirname(filename) or ".", exist_ok=True)
-    tmp = temporary_path(filename, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, filename)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    return write_sample_file(buffers, filename, temporary_path(filename, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+
+
+def _value_flags(aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[4] bool on the states' device: each tensor all finite, each not all zero (no host sync)."""
+    return torch.stack([torch.isfinite(aux).all(), torch.isfinite(last).all(), aux.any(), last.any()])
+
+
+def _flags_problem(flags: torch.Tensor) -> str | None:
+    finite_aux, finite_last, any_aux, any_last = (bool(f) for f in flags)
+    for name, finite, nonzero in zip(HIDDEN_NAMES, (finite_aux, finite_last), (any_aux, any_last), strict=True):
+        if not finite:
+            return f"{name} has non-finite values"
+        if not nonzero:
+            return f"{name} all zero"
+    return None
 
 
 class SampleFileConnector(ExampleHiddenStatesConnector):
@@ -152,8 +164,12 @@ class SampleFileConnector(ExampleHiddenStatesConnector):
         if not on_gpu:
             # clone: the cache blocks are freed and reused once the request is reported finished
             states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()  # [T, L, H]
-            hidden = None if sample is None else encode_hidden(*self._split(states, sample), sample.spec.dtype)
-            self._write(pending, states, hidden, lock_fd)
+            hidden, problem = None, None
+            if sample is not None:
+                aux, last = self._split(states, sample)
+                problem = tensor_problem(HIDDEN_NAMES[0], aux) or tensor_problem(HIDDEN_NAMES[1], last)
+                hidden = encode_hidden(aux, last, sample.spec.dtype)
+            self._write(pending, states, hidden, lock_fd, problem)
             self._req_copy_events[pending.req_id] = _Done()  # type: ignore[assignment]
             return
         # GPU: as the stock connector, on its copy stream, without a sync: split and cast
@@ -164,9 +180,10 @@ class SampleFileConnector(ExampleHiddenStatesConnector):
         copy_stream.wait_event(ready)
         with torch.cuda.stream(copy_stream):
             states = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device, non_blocking=True), num_tokens)
-            hidden = encode_hidden(*self._split(states, sample), sample.spec.dtype)
+            aux, last = self._split(states, sample)
+            hidden = encode_hidden(aux, last, sample.spec.dtype)
             pinned = {}
-            for name, t in hidden.items():
+            for name, t in {**hidden, "flags": _value_flags(aux, last)}.items():
                 pinned[name] = torch.empty_like(t, device="cpu", pin_memory=True)
                 pinned[name].copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
@@ -178,23 +195,35 @@ class SampleFileConnector(ExampleHiddenStatesConnector):
 
     def _write_after(self, event: torch.cuda.Event, pending: PendingSave, hidden: dict, lock_fd: int | None) -> None:
         event.synchronize()
-        self._write(pending, None, hidden, lock_fd)
+        problem = _flags_problem(hidden.pop("flags"))
+        self._write(pending, None, hidden, lock_fd, problem)
 
     def _write(
-        self, pending: PendingSave, states: torch.Tensor | None, hidden: dict[str, torch.Tensor] | None, lock_fd: int | None
+        self,
+        pending: PendingSave,
+        states: torch.Tensor | None,
+        hidden: dict[str, torch.Tensor] | None,
+        lock_fd: int | None,
+        problem: str | None = None,
     ) -> None:
-        """Write the request's file (a sample file when `hidden` is given, else the raw states), then unlock."""
+        """Write the request's file (a sample file when `hidden` is given, else the raw states), then unlock.
+        A sample whose values have a `problem` is not written."""
         sample = getattr(pending, "sample", None)
         try:
             if hidden is not None and sample is not None:
+                # Row -1 is the client's probe of where files land (`writes_files`): its one token's
+                # states may well be zero, and it is removed unread.
+                if problem and sample.row >= 0:
+                    logger.error("row %d (request %s) not written to %s: %s", sample.row, pending.req_id, pending.filename, problem)
+                    return
                 ids = pending.token_ids.numpy().astype(np.int32)
-                data = pack_sample(
+                buffers = sample_buffers(
                     row=sample.row, input_ids=ids, loss_mask=mask_from_spans(sample.loss_spans, len(ids)),
                     hidden=hidden, spec=sample.spec, backend="vllm",
                 )  # fmt: skip
             else:
-                data = st_save({"hidden_states": states, "token_ids": pending.token_ids.clone()})
-            write_atomically(data, pending.filename)
+                buffers = [st_save({"hidden_states": states, "token_ids": pending.token_ids.clone()})]
+            write_atomically(buffers, pending.filename)
         except (OSError, ValueError, RuntimeError) as e:
             # Like the stock connector: log, keep serving. The client finds no file at the
             # path it was given and fails that row, naming the path.
