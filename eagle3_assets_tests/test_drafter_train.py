@@ -274,9 +274,11 @@ def test_two_rank_data_parallel_run(tmp_path, data):
 
 
 def test_a_non_finite_loss_stops_training_naming_the_batch_and_no_bad_weights_are_published(tmp_path, data):
-    """Finite values large enough to overflow (the loader passes them): the step that meets them stops the run."""
+    """Finite values large enough to overflow (the loader passes them): the step that meets them stops the run.
+    Without `norm_before_fc`: that norm maps such a row to zeros, finite."""
+    settings = SETTINGS.model_copy(update={"norm_before_fc": False})
     store = copy_store(data, tmp_path / "s")
-    run(store, data, max_steps=2)  # a good checkpoint at step 2
+    run(store, data, settings, max_steps=2)  # a good checkpoint at step 2
     root, keys, vmap = data
     rel = f"hidden_states/{keys[0]}/3.safetensors"
     tensors = st_load(store.read_bytes(rel))
@@ -285,7 +287,7 @@ def test_a_non_finite_loss_stops_training_naming_the_batch_and_no_bad_weights_ar
         header, _ = read_header(f)
     store.write_bytes(rel, st_save(tensors, metadata=header["__metadata__"]))
     with pytest.raises(NonFiniteLossError) as e:
-        run(store, data)
+        run(store, data, settings)
     message = str(e.value)
     assert message.startswith("step ") and store.url_of(rel) in message
     assert "Nothing of this step was applied; the last checkpoint is intact." in message

@@ -87,7 +87,7 @@ def train_and_export(served_target, name: str, **options) -> tuple[Eagle3Drafter
     target_dir, _, _, store, keys, vmap = served_target
     settings = TrainingSettings(
         ttt_steps=K, lr=1e-2, warmup_steps=5, epochs=40.0, batch_tokens=256, checkpoint_every=1000, heldout_rows=0,
-        **({"serve_with": ["vllm"]} | options if set(options) & NORM_FLAGS else options),
+        **(dict.fromkeys(NORM_FLAGS, False) | options),  # each option alone over a plain drafter
     )  # fmt: skip
     store.remove("drafter", recursive=True)
     result = train_drafter(store, keys, vmap=vmap, target=target_of(target_dir), settings=settings, log=lambda _: None)

@@ -57,7 +57,7 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 from eagle3_assets.vocab_map import VocabMap, vocab_map_problems
 
-ADAM_BETAS = (0.9, 0.95)
+ADAM_BETA1 = 0.9
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 LogFn = Callable[[str], None]
@@ -341,7 +341,7 @@ def _prepare(
     total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for _, p in named], lr=settings.lr, betas=ADAM_BETAS, weight_decay=settings.weight_decay
+        [p for _, p in named], lr=settings.lr, betas=(ADAM_BETA1, settings.adam_beta2), weight_decay=settings.weight_decay
     )
     step_model: nn.Module = model
     if env.world_size > 1:
