@@ -30,9 +30,10 @@ ui-deps:
 demo: install
 	$(BIN)/python -m eagle3_assets.defs.demo_run
 
-# The whole suite, as CI runs it; every failure is reported (no -x).
+# The whole suite, as CI runs it; every failure is reported (no -x), and the slowest
+# tests are listed so a creeping suite shows in the CI log before it hits the budget.
 test: install ui-deps
-	$(BIN)/python -m pytest -q eagle3_assets_tests
+	$(BIN)/python -m pytest -q --durations=15 eagle3_assets_tests
 
 # For iterating: no model training, no servers (under 5 minutes).
 test-fast: install

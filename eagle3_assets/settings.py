@@ -166,7 +166,7 @@ class AlertSettings(_Section):
 class DemoSettings(_Section):
     """The embedded demo target and prompt set (used when no target/prompts are configured)."""
 
-    num_prompts: int = Field(2000, ge=1)
+    num_prompts: int = Field(4000, ge=1)
     hidden_size: int = Field(128, ge=32)
     num_layers: int = Field(4, ge=4)
     head_dim: int = Field(32, ge=32, description="vLLM cannot serve head_dim < 32")
@@ -234,7 +234,7 @@ class Settings(_Section):
 
 
 def demo_settings() -> Settings:
-    """The embedded demo: a 4-layer target, 2,000 prompts in 400-row shards."""
+    """The embedded demo: a 4-layer target, 4,000 prompts in 400-row shards."""
     demo = DemoSettings()
     return Settings(
         shard_size=400,
@@ -245,8 +245,9 @@ def demo_settings() -> Settings:
         # One row per forward: on CPU, padded batches cost more than they save
         # (benchmarks/bench_extraction.py); on a GPU keep the default budget.
         extraction=ExtractionSettings(batch_tokens=1, progress_interval_s=2.0),
-        # The demo's 2,000 rows hold only ~60k tokens: many small steps over many epochs
-        # (625 steps; 1,000 rows for 900 steps drafted worse, BENCHMARKS.md).
+        # The demo's 4,000 rows hold only ~120k tokens: many small steps over many epochs
+        # (~1,265 steps). Measured at k=3/7 (BENCHMARKS.md): 2,000 rows x 622 steps 2.20/2.62,
+        # x 1,244 steps 2.31/2.85; 4,000 rows x 1,265 steps 2.45/3.05.
         training=TrainingSettings(
             lr=3e-3, warmup_steps=20, epochs=20.0, batch_tokens=2048, checkpoint_every=100, heldout_rows=64
         ),

@@ -121,7 +121,7 @@ def test_template_answers_are_derivable_from_the_prompt():
 
 
 def test_prompt_sets_are_deterministic_and_sized():
-    demo = DemoSettings()
+    demo = DemoSettings(num_prompts=2000)
     pipeline, evaluation = demo_prompt_sets(demo)
     assert len(pipeline) == demo.num_prompts == 2000 and len(evaluation) == EVAL_PROMPTS == 64
     assert pipeline[0] == {"id": "demo-0000", "prompt": "What tool does Reshare use?", "kind": "fact"}
@@ -165,11 +165,12 @@ def test_eval_prompts_name_only_heldout_entities_and_pipeline_only_train():
 
 
 def test_reference_response_by_id():
-    ref = reference_response(DemoSettings(), "demo-0001")
+    demo = DemoSettings(num_prompts=2000)
+    ref = reference_response(demo, "demo-0001")
     assert ref.prompt == "Where does Padaryen live?"
     assert ref.assistant_text == "<think>yellow Fenwick beans goat ladder 57</think>It lives in Fenwick."
     with pytest.raises(KeyError, match="'demo-9999' is not a demo prompt id for seed 0 and 2000 prompts"):
-        reference_response(DemoSettings(), "demo-9999")
+        reference_response(demo, "demo-9999")
 
 
 def test_more_prompts_than_questions_repeats_rather_than_failing():

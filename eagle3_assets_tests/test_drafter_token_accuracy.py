@@ -17,6 +17,7 @@ from eagle3_assets.drafter.train import evaluate
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.prompts import Prompt
+from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import load_tokenizer
 
@@ -89,9 +90,8 @@ def test_class_accuracy_is_the_training_objectives_acc_k_restricted_to_each_clas
 
     refs, _ = index_samples(store, [key])
     loader = BatchLoader(store, refs, batch_tokens=1000, seed=0)
-    trained = evaluate(
-        model, head, loader, heldout_batches(refs, 1000), num_steps=3, step_weight=0.8, device=torch.device("cpu")
-    )
+    settings = TrainingSettings(ttt_steps=3, step_weight=0.8)
+    trained = evaluate(model, head, loader, heldout_batches(refs, 1000), settings=settings, device=torch.device("cpu"))
     assert acc["all"].acc == pytest.approx([trained[f"acc_{k}"] for k in range(3)], abs=1e-6)
     for k in range(3):
         n_all, n_even, n_odd = (acc[c].predictions[k] for c in ("all", "template", "fact"))

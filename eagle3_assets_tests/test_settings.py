@@ -24,7 +24,7 @@ def fake_model(tmp_path: Path, layers: int = 61, vocab: int = 163_840) -> Path:
 def test_without_config_the_demo_applies():
     s = load_settings({})
     assert s == demo_settings()
-    assert s.is_demo and (s.shard_size, s.demo.num_prompts) == (400, 2000)  # five shards
+    assert s.is_demo and (s.shard_size, s.demo.num_prompts) == (400, 4000)  # ten shards
 
 
 def test_defaults_of_a_production_config(tmp_path: Path):
