@@ -8,6 +8,7 @@ The servers are started with the documented command (`python -m eagle3_assets.vl
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.defs.shards.leases import lease_key
 from eagle3_assets.hidden_states.integrity import check_shard
 from eagle3_assets.settings import ExtractionSettings, VllmSettings
 from eagle3_assets.shards import Shard
@@ -47,6 +49,25 @@ def wait_ready(proc: subprocess.Popen, output: Path, url: str, deadline: float) 
     raise AssertionError(f"{url} not ready:\n{output.read_text()[-3000:]}")
 
 
+HOLDER = "held-by-the-test"
+
+
+def wait_until_both_wait_for_a_server(instance, runs: dict[str, subprocess.Popen], *, deadline: float) -> None:
+    """Until each shard run's step has logged that every server is held."""
+    while time.monotonic() < deadline:
+        waiting = set()
+        for record in instance.get_run_records():
+            key = record.dagster_run.tags.get("dagster/partition")
+            if key in runs and any("vLLM servers are held" in e.message for e in instance.all_logs(record.dagster_run.run_id)):
+                waiting.add(key)
+        if waiting == set(runs):
+            return
+        for key, proc in runs.items():
+            assert proc.poll() is None, f"{key} ended before waiting for a server:\n{proc.communicate()[0][-4000:]}"
+        time.sleep(1)
+    raise AssertionError("the shard runs did not both reach the server lease")
+
+
 def test_two_servers_extract_two_shards_at_once_each_row_once(tmp_path, tiny_target_dir):
     pytest.importorskip("vllm")
     engines = [vllm_test_settings(max_concurrency=4) for _ in range(2)]
@@ -62,7 +83,18 @@ def test_two_servers_extract_two_shards_at_once_each_row_once(tmp_path, tiny_tar
         deadline = time.monotonic() + 600
         for proc, url, output in servers:
             wait_ready(proc, output, url, deadline)
-        runs = {key: op.materialize("hidden_states", key) for key in ("rows_0-20", "rows_20-40")}
+        # Both servers held here first, so both runs are in their steps at once whatever the
+        # machine's pace (on a loaded machine one run could otherwise finish before the other
+        # starts); each then waits, naming the holder, until the servers are handed back.
+        with op.instance() as instance:
+            storage = instance.event_log_storage
+            for url in urls:
+                storage.set_concurrency_slots(lease_key(url), 1)
+                assert storage.claim_concurrency_slot(lease_key(url), HOLDER, url).is_claimed
+            runs = {key: op.materialize("hidden_states", key) for key in ("rows_0-20", "rows_20-40")}
+            wait_until_both_wait_for_a_server(instance, runs, deadline=time.monotonic() + 900)
+            for url in urls:
+                storage.free_concurrency_slot_for_step(HOLDER, url)
         outputs = {key: proc.communicate(timeout=900)[0] for key, proc in runs.items()}
         for key, proc in runs.items():
             assert proc.returncode == 0, outputs[key][-4000:]
@@ -75,9 +107,12 @@ def test_two_servers_extract_two_shards_at_once_each_row_once(tmp_path, tiny_tar
             finally:
                 kill_group(proc.pid)
 
-    # Each run held its own server for its duration; the pool let both run at once.
-    used = {key: next(u for u in urls if f"extracting through the vLLM server at {u}" in out) for key, out in outputs.items()}
-    assert sorted(used.values()) == sorted(urls), used
+    # The pool let both run at once; each extracted through a server once they were free
+    # (which one depends on the pace: a run that finishes first hands its server back).
+    for key, out in outputs.items():
+        assert f"all 2 vLLM servers are held ({{'{urls[0]}': ['{HOLDER}'], '{urls[1]}': ['{HOLDER}']}})" in out, key
+        used = re.findall(r"extracting through the vLLM server at (\S+)", out)
+        assert len(used) == 1 and used[0] in urls, (key, used)
     with op.instance() as instance:
         records = {r.dagster_run.tags["dagster/partition"]: r for r in instance.get_run_records()
                    if "dagster/partition" in r.dagster_run.tags}  # fmt: skip
