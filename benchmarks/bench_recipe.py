@@ -4,7 +4,8 @@
 
 On the demo's shards (built into `--store` the first time), every configuration trains our
 drafter for `--steps` optimizer steps from the same baseline (the demo's training settings,
-with `--steps` in place of its epochs) with one option changed, for each of `--seeds`,
+with `--steps` in place of its epochs, and `BASELINE`: the recipe before the ablations) with
+one option changed, for each of `--seeds`,
 and all of them are served by one vLLM script on the demo's held-out prompts (greedy,
 k=3 and k=7; outputs checked equal to plain greedy). It prints mean acceptance length per
 configuration (mean over seeds, and each seed), its ratio to the baseline, and CPU
@@ -27,6 +28,9 @@ from drafter_runs import KS, demo_store, log, serve, train  # noqa: E402
 
 from eagle3_assets.settings import demo_settings  # noqa: E402
 
+# The recipe before the ablations; every configuration is it with its options changed.
+BASELINE = {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False, "batch_order": "by_length"}
+NORMS = {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}
 # One option changed from the baseline per configuration, then combinations of them.
 CONFIGS: dict[str, dict] = {
     "baseline": {},
@@ -38,6 +42,11 @@ CONFIGS: dict[str, dict] = {
     "kl": {"loss": "kl"},
     "lk": {"loss": "lk"},
     "fc+output": {"norm_before_fc": True, "norm_output": True},
+    "random_batches": {"batch_order": "random"},
+    "packed_batches": {"batch_order": "packed"},
+    "norms": NORMS,
+    "norms+random_batches": NORMS | {"batch_order": "random"},
+    "defaults": NORMS | {"batch_order": "packed"},
     "speculators_recipe": {
         "norm_before_fc": True, "norm_output": True, "norm_before_residual": True, "train_lm_head": False,
         "loss_positions": "input", "loss": "kl", "grad_clip": 1.0,
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",") + list(json.loads(args.extra)) if args.extra else args.configs.split(",")
     trained = {}
     for name in names:
-        options = dict(configs[name])
+        options = BASELINE | configs[name]
         if any(options.get(f) for f in ARCHITECTURE):
             options["serve_with"] = ["vllm"]  # SGLang cannot serve these norm placements
         for seed in args.seeds:

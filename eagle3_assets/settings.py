@@ -81,7 +81,13 @@ class TrainingSettings(_Section):
     warmup_steps: int = Field(100, ge=0)
     epochs: float = Field(2.0, gt=0.0)
     steps: int | None = Field(None, ge=1, description="optimizer steps of the whole schedule, instead of epochs")
-    batch_tokens: int = Field(8192, ge=1, description="tokens per optimizer step (padded)")
+    batch_tokens: int = Field(8192, ge=1, description="tokens per optimizer step, padding included")
+    batch_order: Literal["packed", "random", "by_length"] = Field(
+        "packed",
+        description="a batch is a random draw of samples, several to a row (packed) or one to a padded row "
+        "(random), or neighbours of similar length (by_length: less padding, but batches of one kind where "
+        "length follows content)",
+    )
     grad_clip: float = Field(0.5, gt=0.0)
     adam_beta2: float = Field(0.95, gt=0.0, lt=1.0, description="AdamW's second-moment decay (beta1 is 0.9)")
     weight_decay: float = Field(0.0, ge=0.0)
@@ -245,11 +251,11 @@ def demo_settings() -> Settings:
         # One row per forward: on CPU, padded batches cost more than they save
         # (benchmarks/bench_extraction.py); on a GPU keep the default budget.
         extraction=ExtractionSettings(batch_tokens=1, progress_interval_s=2.0),
-        # The demo's 4,000 rows hold only ~120k tokens: many small steps over many epochs
-        # (~1,265 steps). Measured at k=3/7 (BENCHMARKS.md): 2,000 rows x 622 steps 2.20/2.62,
-        # x 1,244 steps 2.31/2.85; 4,000 rows x 1,265 steps 2.45/3.05.
+        # The demo's 4,000 rows hold only ~120k tokens: many small packed steps over many
+        # epochs (~1,057 steps). Measured at k=3/7 (BENCHMARKS.md): 1,057 packed steps 2.52/3.16;
+        # before packing, 1,265 steps of batches grouped by length 2.45/3.05 for the same CPU.
         training=TrainingSettings(
-            lr=3e-3, warmup_steps=20, epochs=20.0, batch_tokens=2048, checkpoint_every=100, heldout_rows=64
+            lr=3e-3, warmup_steps=20, epochs=16.0, batch_tokens=2048, checkpoint_every=100, heldout_rows=64
         ),
         demo=demo,
     )

@@ -1,7 +1,7 @@
 """The drafter's quality bars on the demo, built exactly as `make demo` builds it (issues 4 and 7).
 
 One module fixture runs the whole graph with the demo settings through Dagster: the
-demo target trained in-process, 4,000 responses, ten shards, ~1,265 drafter steps, and
+demo target trained in-process, 4,000 responses, ten shards, ~1,057 drafter steps, and
 `drafter_eval` in vLLM (CPU build). About 10 minutes on two quiet CPU cores; the figures
 in the assertions' comments are from that run (BENCHMARKS.md).
 
@@ -46,7 +46,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(5400)]
 
 
 # Both drafters of the off-by-one test: the demo's recipe for 155 steps with the feature norms
-# off. With `norm_before_fc` the 4-layer demo target's adjacent layers look alike once
+# off, batches grouped by length (the regime its figures were measured in). With
+# `norm_before_fc` the 4-layer demo target's adjacent layers look alike once
 # normalized and the bug costs little here (measured acc_0 on the eval answers, correct vs
 # off by one: 0.550 vs 0.551 at 155 steps on 2,000 rows; fact-prompt answers 0.720 vs 0.683
 # at the demo's full training). Without the norms the features' scale tells the layers
@@ -54,6 +55,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(5400)]
 OFF_BY_ONE_RECIPE = TrainingSettings.model_validate(
     demo_settings().training.model_dump()
     | {"steps": 155, "norm_before_fc": False, "norm_output": False, "norm_before_residual": False}
+    | {"batch_order": "by_length"}
 )
 
 
@@ -102,15 +104,14 @@ def side_store(demo, name: str, tmp_path_factory) -> Project:
 def test_served_drafter_meets_the_acceptance_bar_and_reads_the_target(demo):
     project, _ = demo
     report = project.store.read_json(EVAL_REPORT_FILE)
-    # Measured: k=3 2.447, k=7 3.045 (issue 13's bars: 2.3, 2.8); features zeroed 2.072 / 2.424
-    # -> feature gain 1.18 / 1.26. The longer the demo trains, the better the drafter does on
-    # tokens alone (622 steps on 2,000 rows: gain 1.23 / 1.30 at 2.20 / 2.64), so the gain
-    # only has to show that the features are read.
+    # Measured: k=3 2.518, k=7 3.161 (issue 13's bars: 2.3, 2.8); feature gain (over the
+    # same drafter with its features zeroed) 1.230 / 1.290 (bar 1.2). Thresholds a little under
+    # the measured figures: another CPU's float kernels train a slightly different drafter.
     assert report["outputs_match_greedy"] and report["mismatches"] == []
     assert report["mean_acceptance_length_k3"] >= 2.3
     assert report["mean_acceptance_length_k7"] >= 2.8
-    assert report["feature_gain_k3"] >= 1.12
-    assert report["feature_gain_k7"] >= 1.18
+    assert report["feature_gain_k3"] >= 1.18
+    assert report["feature_gain_k7"] >= 1.22
 
 
 def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, answers, tmp_path_factory):
@@ -123,7 +124,7 @@ def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, an
     model = build_drafter(cfg, load_target_weights(target), vmap, project.settings.training.seed)
     export_drafter(untrained.store, model.trainable_state_dict(), cfg, aux_layer_ids=[1, 2, 3])
     accuracy, _ = token_class_accuracy(target, project.settings, untrained.store.local_path(EXPORT_DIR), *answers)
-    # Measured: trained 0.753 on every answer token of the held-out prompts (0.930 on the
+    # Measured: trained 0.775 on every answer token of the held-out prompts (0.926 on the
     # rows held out of training); untrained 0.001.
     assert report["eval_acc_0_all"] >= accuracy["all"].acc[0] + 0.4, (report["eval_acc_0_all"], accuracy["all"].acc)
     assert report["heldout_acc_0"] >= 0.75
@@ -140,7 +141,7 @@ def test_fact_and_template_tokens_are_scored_apart(demo):
     # (13 measured) are left out of `fact` and listed in `off_reference`.
     assert report["eval_rows_off_reference"] == len(report["off_reference"]) <= 16
     assert report["eval_tokens_fact"] >= 150 and report["eval_tokens_template"] >= 100  # measured 226, 148
-    # Measured: template 0.932, fact 0.438: facts of unseen entities are the hard part.
+    # Measured: template 0.986, fact 0.478: facts of unseen entities are the hard part.
     assert report["eval_acc_0_template"] > report["eval_acc_0_fact"] > 0
 
 

@@ -6,6 +6,7 @@ import json
 import uuid
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load as st_load
@@ -17,8 +18,11 @@ from eagle3_assets.drafter.data import (
     DataPosition,
     MissingShardsError,
     SampleRef,
+    fill_packed,
     heldout_batches,
     index_samples,
+    pack_rows,
+    packing_width,
     plan_epoch,
     require_complete_shards,
     split_heldout,
@@ -74,15 +78,79 @@ def test_index_reads_headers_and_names_a_bad_file(tmp_path, model):
         index_samples(store, ["rows_8-9"])
 
 
-def test_plan_is_deterministic_covers_every_sample_and_keeps_the_budget():
+@pytest.mark.parametrize("order", ["packed", "random", "by_length"])
+def test_plan_is_deterministic_covers_every_sample_and_keeps_the_budget(order):
     lengths = [5 + (i * 37) % 60 for i in range(300)]
-    a, b = plan_epoch(lengths, 0, 7, 256), plan_epoch(lengths, 0, 7, 256)
+    a, b = plan_epoch(lengths, 0, 7, 256, order), plan_epoch(lengths, 0, 7, 256, order)
     assert a == b
-    assert plan_epoch(lengths, 1, 7, 256) != a
+    assert plan_epoch(lengths, 1, 7, 256, order) != a
     assert sorted(i for batch in a for i in batch) == list(range(300))
-    assert all(max(lengths[i] for i in batch) * len(batch) <= 256 for batch in a)
+    if order == "packed":  # rows as wide as the longest sample (64), at most 256 // 64 of them
+        rows = [[batch[i] for i in row] for batch in a for row in pack_rows([lengths[i] for i in batch], 64)]
+        assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+        assert all(len(pack_rows([lengths[i] for i in batch], 64)) <= 4 for batch in a)
+    else:
+        assert all(max(lengths[i] for i in batch) * len(batch) <= 256 for batch in a)
     # A row longer than the budget is a batch of its own, never truncated.
-    assert plan_epoch([10, 500, 10], 0, 0, 100).count([1]) == 1
+    assert plan_epoch([10, 500, 10], 0, 0, 100, order).count([1]) == 1
+
+
+def test_random_batches_are_the_shuffle_cut_in_order_and_by_length_batches_are_sorted():
+    lengths = [5 + (i * 37) % 60 for i in range(300)]
+    shuffle = np.random.default_rng([7, 0]).permutation(300).tolist()
+    random_plan = plan_epoch(lengths, 0, 7, 256, "random")
+    assert [i for batch in random_plan for i in batch] == shuffle
+    # Random draws mix lengths: the widest batch spans most of the 5..64 range.
+    assert max(max(lengths[i] for i in bt) - min(lengths[i] for i in bt) for bt in random_plan) >= 50
+    sorted_plan = plan_epoch(lengths, 0, 7, 256, "by_length")
+    for batch in sorted_plan:
+        assert [lengths[i] for i in batch] == sorted((lengths[i] for i in batch), reverse=True)
+    # Neighbours of similar length: fewer, fuller batches than random draws under the same budget.
+    assert len(sorted_plan) < len(random_plan)
+
+
+def test_packing_is_first_fit_in_order_and_fills_the_rows():
+    assert pack_rows([5, 4, 3, 2, 6, 1], 8) == [[0, 2], [1, 3, 5], [4]]
+    assert pack_rows([12, 3], 8) == [[0], [1]]  # longer than the width: a row of its own, never split
+    # Batches of at most 2 rows of 8: 6 fits neither row of [5] [4], so it starts the next batch,
+    # where 1 still fits beside it.
+    assert fill_packed([5, 4, 6, 7, 1], [0, 1, 2, 3, 4], budget=16, width=8) == [[0, 1], [2, 3, 4]]
+    assert pack_rows([6, 7, 1], 8) == [[0, 2], [1]]
+    assert packing_width([3, 40, 7], 1000) == 40 and packing_width([3, 40, 7], 16) == 16
+    lengths = [5 + (i * 37) % 60 for i in range(300)]
+    packed, padded = plan_epoch(lengths, 0, 7, 256, "packed"), plan_epoch(lengths, 0, 7, 256, "random")
+    # The same shuffle, cut into fewer, fuller batches: 80% of the packed rows' tokens are
+    # samples', 66% of the padded rows' (lengths 5..64 with four rows a batch).
+    assert [i for b in packed for i in b] == [i for b in padded for i in b]
+    rows = sum(len(pack_rows([lengths[i] for i in b], 64)) for b in packed)
+    assert round(sum(lengths) / (rows * 64), 3) == 0.805
+    assert round(sum(lengths) / sum(max(lengths[i] for i in b) * len(b) for b in padded), 3) == 0.663
+    assert (len(packed), len(padded)) == (51, 68)
+
+
+def test_packed_batches_place_each_sample_whole_with_its_segment_and_positions(tmp_path, model):
+    store = ArtifactStore(tmp_path)
+    rows = random_rows(5, seed=4, min_len=4, max_len=12)
+    key = write_shard(store, model, rows, 0)
+    refs, _ = index_samples(store, [key])
+    loader = BatchLoader(store, refs, batch_tokens=1000, seed=0, order="packed")
+    width = max(len(ids) for ids, _ in rows)
+    b = loader.load([0, 1, 2, 3, 4])
+    layout = pack_rows([len(rows[i][0]) for i in range(5)], width)
+    assert b.input_ids.shape[0] == len(layout) and b.pre_norm.shape == b.input_ids.shape
+    assert [r.row for r in b.samples] == [i for row in layout for i in row]
+    for r, row in enumerate(layout):
+        start = 0
+        for seg, i in enumerate(row):
+            ids, mask = rows[i]
+            span = slice(start, start + len(ids))
+            assert b.input_ids[r, span].tolist() == ids and b.loss_mask[r, span].tolist() == mask
+            assert b.segments[r, span].tolist() == [seg] * len(ids)
+            assert b.positions[r, span].tolist() == list(range(len(ids)))
+            start += len(ids)
+        assert b.lengths[r] == start
+        assert b.segments[r, start:].tolist() == [-1] * (b.input_ids.shape[1] - start)
+    assert b.num_tokens == sum(len(ids) for ids, _ in rows)
 
 
 def test_resume_from_a_position_gives_the_same_batches(tmp_path, model):

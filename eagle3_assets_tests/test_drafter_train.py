@@ -216,8 +216,8 @@ def test_drafter_learns_a_peaked_target(tmp_path):
         store, keys, vmap=vmap, target=target_of(tmp_path / "target"), settings=settings,
         on_metrics=curve.__setitem__, log=lambda _: None,
     )
-    assert result.step == 75
-    first, last = curve[1], curve[75]
+    assert result.step == 100  # 40 rows of 10-20 tokens packed into 256-token batches: 4 a epoch
+    first, last = curve[1], curve[100]
     assert first["acc_0"] < 0.5 and last["acc_0"] > 0.9 and last["acc_1"] > 0.85
     assert last["loss"] < first["loss"] / 2
     assert last["lr"] < 1e-4  # cosine decayed to ~0 at the end

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from eagle3_assets.drafter.data import SampleRef, collate, collate_packed
 from eagle3_assets.drafter.target_head import Targets
 from eagle3_assets.drafter.ttt import kept_positions, ttt_forward, ttt_step_loss
 
@@ -80,3 +81,49 @@ def test_total_loss_weights_step_k_by_step_weight_power_k():
     assert out.kept.tolist() == [(7 - k) + (4 - k) for k in range(4)]
     m = out.metrics()
     assert sorted(m) == sorted(["loss"] + [f"loss_{k}" for k in range(4)] + [f"acc_{k}" for k in range(4)])
+
+
+def _random_sample(length: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.randint(0, 256, (length,), generator=g),
+        "loss_mask": (torch.rand(length, generator=g) < 0.7).to(torch.uint8),
+        "aux_hidden_states": torch.randn(length, 192, generator=g),
+        "last_hidden_state": torch.randn(length, 64, generator=g),
+    }
+
+
+def _targets_of(last: torch.Tensor, model) -> Targets:
+    """A stand-in target distribution over the 64 draft ids, a function of each token's own state."""
+    probs = torch.softmax(3 * last, -1)  # [B, T, Vd]
+    argmax = probs.argmax(-1) + model.d2t[probs.argmax(-1)]
+    in_draft = model.t2d[argmax] & (last[..., 0] > -1.0)  # some tokens' top-1 outside the draft vocab
+    return Targets(probs, argmax, in_draft)
+
+
+def test_a_packed_row_scores_exactly_what_one_row_per_sample_scores():
+    """Packing changes the layout only: the same predictions count, with the same logits."""
+    model = make_model()
+    g = torch.Generator().manual_seed(5)
+    lengths = (9, 6, 4, 7, 3)
+    loaded = [(_random_sample(n, g), False) for n in lengths]
+    refs = [SampleRef("rows_0-5", i, n) for i, n in enumerate(lengths)]
+    padded = collate(loaded, refs)
+    packed = collate_packed(loaded, refs, width=14)  # rows [9, 4] [6, 7] [3]: mid-row sample boundaries
+    assert packed.segments.tolist() == [[0] * 9 + [1] * 4, [0] * 6 + [1] * 7, [0] * 3 + [-1] * 10]
+    for loss in ("soft_ce", "kl", "lk"):
+        a = ttt_forward(
+            model, padded.input_ids, padded.aux, padded.loss_mask, padded.lengths, _targets_of(padded.last, model),
+            num_steps=4, step_weight=0.8, loss=loss,
+        )  # fmt: skip
+        b = ttt_forward(
+            model, packed.input_ids, packed.aux, packed.loss_mask, packed.lengths, _targets_of(packed.last, model),
+            num_steps=4, step_weight=0.8, loss=loss, positions=packed.positions, segments=packed.segments,
+        )  # fmt: skip
+        assert b.kept.tolist() == a.kept.tolist() and b.correct.tolist() == a.correct.tolist()
+        torch.testing.assert_close(b.step_losses, a.step_losses, rtol=1e-5, atol=1e-6)
+    # Without its segments the packed row leaks: samples see each other and predict across their ends.
+    leaky = ttt_forward(
+        model, packed.input_ids, packed.aux, packed.loss_mask, packed.lengths, _targets_of(packed.last, model),
+        num_steps=4, step_weight=0.8,
+    )  # fmt: skip
+    assert leaky.kept.tolist() != a.kept.tolist()

@@ -8,10 +8,19 @@ memory-mapped when the store is local; a shard is never held in RAM. Every sampl
 checked for non-finite values as it is read (a file corrupted after its check passed
 must not turn training into NaN), and float8 files are dequantized here.
 
-Order is a pure function of (seed, epoch): each epoch shuffles the samples, groups
-neighbours of similar length (so padding stays small) into batches under the token
-budget, and shuffles the batches. A run resumes from a `DataPosition` (epoch, batch)
-by recomputing that epoch's plan and skipping to the batch.
+Order is a pure function of (seed, epoch): each epoch shuffles the samples and fills
+batches under the token budget in that order. How a batch holds its samples
+(`batch_order`):
+  packed     several samples per row, first fit into rows as wide as the longest
+             sample, each sample attending only to itself (`Batch.segments`): a random
+             draw with little padding;
+  random     one sample per row, padded to the batch's longest;
+  by_length  one sample per row, neighbours of similar length grouped first: little
+             padding, but where length follows content (templated data) each batch is
+             one kind of row, and the drafter learns measurably less per step
+             (BENCHMARKS.md).
+A run resumes from a `DataPosition` (epoch, batch) by recomputing that epoch's plan
+and skipping to the batch.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -43,9 +53,11 @@ from eagle3_assets.hidden_states.sample_file import (
     tensor_names,
 )
 from eagle3_assets.storage import ArtifactStore
-# Samples per shuffle window whose lengths are sorted before batching: large enough
-# that neighbours have similar lengths, small enough that the order stays random.
+# Samples per shuffle window whose lengths are sorted before batching ("by_length"): large
+# enough that neighbours have similar lengths, small enough that the order stays random.
 _LENGTH_WINDOW = 256
+
+BatchOrder = Literal["packed", "random", "by_length"]
 
 
 class DataError(TrainingError):
@@ -157,9 +169,13 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] uint8, 0-padded
     aux: torch.Tensor  # [B, T, 3H] storage dtype
     last: torch.Tensor  # [B, T, H] storage dtype
-    lengths: torch.Tensor  # [B] int64
-    pre_norm: torch.Tensor  # [B] bool: last_hidden_state stored before the final norm
+    lengths: torch.Tensor  # [B] int64: tokens used in each row
+    pre_norm: torch.Tensor  # [B] (packed: [B, T]) bool: last_hidden_state stored before the final norm
     samples: list[SampleRef] = field(default_factory=list)
+    # Packed rows only: which sample of its row each token belongs to (-1: padding) and its
+    # position within that sample; None when each row is one sample.
+    segments: torch.Tensor | None = None  # [B, T] int64
+    positions: torch.Tensor | None = None  # [B, T] int64
 
     @property
     def num_tokens(self) -> int:
@@ -167,11 +183,11 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         nb = torch.device(device).type == "cuda"
+        tensors = (self.input_ids, self.loss_mask, self.aux, self.last, self.lengths, self.pre_norm)
         return Batch(
-            *(t.to(device, non_blocking=nb) for t in (self.input_ids, self.loss_mask, self.aux, self.last)),
-            self.lengths.to(device),
-            self.pre_norm.to(device),
+            *(t.to(device, non_blocking=nb) for t in tensors),
             self.samples,
+            *(None if t is None else t.to(device, non_blocking=nb) for t in (self.segments, self.positions)),
         )
 
 
@@ -227,7 +243,79 @@ def collate(loaded: Sequence[tuple[dict[str, torch.Tensor], bool]], refs: Sequen
     return Batch(ids, mask, aux, last, lengths, pre, list(refs))
 
 
-def pack_by_length(lengths: Sequence[int], order: Sequence[int], budget: int) -> list[list[int]]:
+def collate_packed(
+    loaded: Sequence[tuple[dict[str, torch.Tensor], bool]], refs: Sequence[SampleRef], width: int
+) -> Batch:
+    """The samples first-fit into rows of `width` tokens (`pack_rows`), in the given order."""
+    rows = pack_rows([t["input_ids"].shape[0] for t, _ in loaded], width)
+    used = [sum(loaded[i][0]["input_ids"].shape[0] for i in row) for row in rows]
+    B, T = len(rows), max(used)
+    first = loaded[0][0]
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    mask = torch.zeros(B, T, dtype=torch.uint8)
+    aux = torch.zeros(B, T, first["aux_hidden_states"].shape[1], dtype=first["aux_hidden_states"].dtype)
+    last = torch.zeros(B, T, first["last_hidden_state"].shape[1], dtype=first["last_hidden_state"].dtype)
+    pre = torch.zeros(B, T, dtype=torch.bool)
+    segments = torch.full((B, T), -1, dtype=torch.int64)
+    positions = torch.zeros(B, T, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        start = 0
+        for seg, i in enumerate(row):
+            t, pre_norm = loaded[i]
+            n = t["input_ids"].shape[0]
+            span = slice(start, start + n)
+            ids[r, span], mask[r, span] = t["input_ids"], t["loss_mask"]
+            aux[r, span], last[r, span] = t["aux_hidden_states"], t["last_hidden_state"]
+            pre[r, span], segments[r, span] = pre_norm, seg
+            positions[r, span] = torch.arange(n)
+            start += n
+    refs_in_rows = [refs[i] for row in rows for i in row]
+    return Batch(ids, mask, aux, last, torch.tensor(used), pre, refs_in_rows, segments, positions)
+
+
+def _first_fit(room: list[int], n: int, width: int) -> int:
+    """Place `n` tokens in the first row of `room` (free tokens per row) that has them, else a new row; its index."""
+    for r, free in enumerate(room):
+        if n <= free:
+            room[r] -= n
+            return r
+    room.append(width - n)  # below 0 for a sample longer than the width: a row of its own
+    return len(room) - 1
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """First fit of samples (their lengths, in order) into rows of `width` tokens: indices per row."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        r = _first_fit(room, n, width)
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(i)
+    return rows
+
+
+def fill_packed(lengths: Sequence[int], order: Sequence[int], budget: int, width: int) -> list[list[int]]:
+    """Batches of `order` whose first-fit rows of `width` tokens number at most budget // width (at least one)."""
+    max_rows = max(1, budget // width)
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    room: list[int] = []
+    for i in order:
+        trial = list(room)
+        _first_fit(trial, lengths[i], width)
+        if cur and len(trial) > max_rows:
+            batches.append(cur)
+            cur, trial = [], []
+            _first_fit(trial, lengths[i], width)
+        cur.append(i)
+        room = trial
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def fill_batches(lengths: Sequence[int], order: Sequence[int], budget: int) -> list[list[int]]:
     """Greedy batches of `order` (sample indices) with padded size max_len * count <= budget.
 
     A sample longer than the budget is a batch of its own: it is never truncated, so
@@ -248,14 +336,25 @@ def pack_by_length(lengths: Sequence[int], order: Sequence[int], budget: int) ->
     return batches
 
 
-def plan_epoch(lengths: Sequence[int], epoch: int, seed: int, budget: int) -> list[list[int]]:
+def packing_width(lengths: Sequence[int], budget: int) -> int:
+    """Row width of packed batches: the longest sample, so none is split, within the budget."""
+    return max(1, min(max(lengths), budget))
+
+
+def plan_epoch(
+    lengths: Sequence[int], epoch: int, seed: int, budget: int, order_by: BatchOrder = "random"
+) -> list[list[int]]:
     """The batches (lists of sample indices) of one epoch: a pure function of its arguments."""
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
+    if order_by == "packed":
+        return fill_packed(lengths, order.tolist(), budget, packing_width(lengths, budget))
+    if order_by == "random":
+        return fill_batches(lengths, order.tolist(), budget)
     batches: list[list[int]] = []
     for w in range(0, len(order), _LENGTH_WINDOW):
         window = sorted(order[w : w + _LENGTH_WINDOW].tolist(), key=lambda i: (-lengths[i], i))
-        batches.extend(pack_by_length(lengths, window, budget))
+        batches.extend(fill_batches(lengths, window, budget))
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
@@ -285,6 +384,7 @@ class BatchLoader:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        order: BatchOrder = "random",
         prefetch: int = 4,
         workers: int = 2,
     ):
@@ -294,14 +394,14 @@ class BatchLoader:
         self.samples = list(samples)
         self.lengths = [s.length for s in self.samples]
         self.budget = max(1, batch_tokens // world_size)
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed, self.rank, self.world_size, self.order = seed, rank, world_size, order
         self.prefetch, self.workers = max(1, prefetch), max(1, workers)
         self._plans: dict[int, list[list[int]]] = {}
 
     def rank_plan(self, epoch: int) -> list[list[int]]:
         """This rank's batches of `epoch` (sample indices), cached."""
         if epoch not in self._plans:
-            plan = plan_epoch(self.lengths, epoch, self.seed, self.budget)
+            plan = plan_epoch(self.lengths, epoch, self.seed, self.budget, self.order)
             steps = len(plan) // self.world_size
             self._plans[epoch] = [plan[i * self.world_size + self.rank] for i in range(steps)]
         return self._plans[epoch]
@@ -323,7 +423,10 @@ class BatchLoader:
 
     def load(self, indices: Sequence[int]) -> Batch:
         refs = [self.samples[i] for i in indices]
-        return collate([load_sample(self.store, r) for r in refs], refs)
+        loaded = [load_sample(self.store, r) for r in refs]
+        if self.order == "packed":
+            return collate_packed(loaded, refs, packing_width(self.lengths, self.budget))
+        return collate(loaded, refs)
 
     def iterate(self, start: DataPosition = DataPosition()) -> Iterator[tuple[DataPosition, Batch]]:
         """(position, batch) from `start` on, endlessly across epochs; the caller stops."""
@@ -360,4 +463,4 @@ class BatchLoader:
 def heldout_batches(samples: Sequence[SampleRef], budget: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
     """Held-out batches of this rank: sorted by length (little padding), no shuffle."""
     order = sorted(range(len(samples)), key=lambda i: (-samples[i].length, i))
-    return pack_by_length([s.length for s in samples], order, budget)[rank::world_size]
+    return fill_batches([s.length for s in samples], order, budget)[rank::world_size]

@@ -155,15 +155,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
 
 
-def ttt_attention_mask(seq_len: int, num_steps: int, device: torch.device | None = None) -> torch.Tensor:
+def ttt_attention_mask(
+    seq_len: int, num_steps: int, device: torch.device | None = None, segments: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which keys a query of the latest TTT step sees: bool [T, num_steps * T] (True = attend).
 
     Block 0 is the causal mask over step-0 keys; block j >= 1 is the identity (step j's
-    key at the query's own index). See the module docstring.
+    key at the query's own index). See the module docstring. With `segments` [B, T]
+    (packed rows: the sample each token belongs to) block 0 is also cut to the query's
+    own sample, and the mask is [B, 1, T, num_steps * T].
     """
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     own = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [own] * (num_steps - 1), dim=1)
+    if segments is not None:
+        causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
+        own = own.expand_as(causal)
+    return torch.cat([causal] + [own] * (num_steps - 1), dim=-1)
 
 
 class KVCache:
@@ -194,7 +201,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, segments: torch.Tensor | None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         nh, nkv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
@@ -202,7 +211,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.append(k, v)  # [B, nkv, steps*T, hd]
-        mask = ttt_attention_mask(T, len(cache), device=x.device)  # [T, steps*T]
+        mask = ttt_attention_mask(T, len(cache), x.device, segments)  # [T, steps*T] or [B, 1, T, steps*T]
         # The fused kernels take an arbitrary mask, so the [T, steps*T] scores are never
         # materialised per head (memory stays linear in T on GPU).
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)  # [B, nh, T, hd]
@@ -236,13 +245,14 @@ class DecoderLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+        segments: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         # embeds, hidden [B, T, H]
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         residual = normed if self.norm_before_residual else hidden
-        h = residual + self.self_attn(x, cos, sin, cache)  # [B, T, H]
+        h = residual + self.self_attn(x, cos, sin, cache, segments)  # [B, T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H], the pre-norm output
 
 
@@ -300,37 +310,47 @@ class Eagle3Drafter(nn.Module):
         return self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [B, T] -> [B, T, H]
 
     def step(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+        segments: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """One TTT step: token ids [B, T], hidden [B, T, H], positions [B, T] -> pre-norm hidden [B, T, H]."""
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.rope_scaling)
-        return self.midlayer(self.embed(input_ids), hidden, cos, sin, cache)
+        return self.midlayer(self.embed(input_ids), hidden, cos, sin, cache, segments)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(prenorm))  # [B, T, H] -> [B, T, Vd]
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int,
+        positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
         """Draft logits of TTT steps 0..num_steps-1, each [B, T, Vd] (see `unroll`)."""
-        return [self.logits(h) for h in self.unroll(input_ids, aux, num_steps)]
+        return [self.logits(h) for h in self.unroll(input_ids, aux, num_steps, positions, segments)]
 
-    def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    def unroll(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int,
+        positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
         """The TTT unroll: pre-norm hidden states of steps 0..num_steps-1, each [B, T, H].
 
         input_ids [B, T] are the sequence's own tokens (index t holds token t); aux
         [B, T, A] the target's fused features at each position. Step k reads token
         t+1+k (0 past the end; those positions carry no loss) and, for k > 0, the
-        step k-1 output at the same index (normed with `norm_output`).
+        step k-1 output at the same index (normed with `norm_output`). Packed rows pass
+        `segments` [B, T] (the sample of each token) and `positions` [B, T] (its index
+        within that sample): attention then stays inside a sample, and a read past a
+        sample's end is, like one past the row's end, never scored.
         """
         B, T = input_ids.shape
         cache = KVCache()
-        index = torch.arange(T, device=input_ids.device).expand(B, T)
+        index = torch.arange(T, device=input_ids.device).expand(B, T) if positions is None else positions
         hidden = self.project(aux)  # [B, T, H]
         outputs = []
         for k in range(num_steps):
             shifted = torch.zeros_like(input_ids)
             if k + 1 < T:
                 shifted[:, : T - 1 - k] = input_ids[:, 1 + k :]
-            prenorm = self.step(shifted, hidden, index + k, cache)
+            prenorm = self.step(shifted, hidden, index + k, cache, segments)
             outputs.append(prenorm)
             hidden = self.norm(prenorm) if self.config.norm_output else prenorm
         return outputs

@@ -122,13 +122,14 @@ class TargetHead(nn.Module):
 
     @torch.no_grad()
     def logits(self, last: torch.Tensor, pre_norm: torch.Tensor | bool) -> torch.Tensor:
-        """Target logits [..., V] from stored final states [..., H]; `pre_norm` per sample ([B] bool) or one bool."""
+        """Target logits [..., V] from stored final states [..., H]; `pre_norm` per sample ([B] bool), per
+        token (a bool tensor of the states' leading shape) or one bool."""
         x = last.to(self.lm_head.dtype)
         normed = rms_norm(x, self.final_norm.to(x.dtype), self.eps)
         if isinstance(pre_norm, bool):
             x = normed if pre_norm else x
         else:
-            flag = pre_norm.to(x.device).view(-1, *([1] * (x.dim() - 1)))
+            flag = pre_norm.to(x.device).view(*pre_norm.shape, *([1] * (x.dim() - pre_norm.dim())))
             x = torch.where(flag, normed, x)
         return (x @ self.lm_head.T).float()
 
@@ -143,7 +144,9 @@ class TargetHead(nn.Module):
         flags = (
             torch.full((B * T,), pre_norm, dtype=torch.bool, device=last.device)
             if isinstance(pre_norm, bool)
-            else pre_norm.to(last.device).repeat_interleave(T)
+            else pre_norm.to(last.device).repeat_interleave(T)  # [B] per sample
+            if pre_norm.dim() == 1
+            else pre_norm.to(last.device).reshape(B * T)  # [B, T] per token (packed rows)
         )
         t2d = t2d.to(last.device)
         probs, argmax = [], []

@@ -119,7 +119,9 @@ def evaluate(
         b = loader.load(idx).to(device)
         targets = head.targets(b.last, b.pre_norm, model.t2d)
         with autocast(device):
-            out = objective(settings)(model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets)
+            out = objective(settings)(
+                model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets, positions=b.positions, segments=b.segments
+            )
         counts.add(out)
     model.train()
     return counts.all_reduce().metrics(settings.step_weight)
@@ -220,7 +222,10 @@ class _Run:
         b = batch.to(self.device)
         targets = self.head.targets(b.last, b.pre_norm, self.model.t2d)  # the target's distribution, from stored states
         with autocast(self.device):
-            out = objective(s)(self.step_model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets)
+            out = objective(s)(
+                self.step_model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets,
+                positions=b.positions, segments=b.segments,
+            )  # fmt: skip
         # Every rank stops together: one rank's NaN would reach all of them through the gradient all-reduce.
         if int(all_reduce_sum(torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0]))[0]):
             self._stop_non_finite(step, batch, f"the loss is {float(out.loss.detach())}")
@@ -336,7 +341,7 @@ def _prepare(
     head = TargetHead.from_weights(weights).to(device)
     loader = BatchLoader(
         store, train_samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
-        rank=env.rank, world_size=env.world_size, workers=data_workers,
+        rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
     )  # fmt: skip
     total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

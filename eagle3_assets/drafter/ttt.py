@@ -63,21 +63,29 @@ LossPositions = Literal["predicted", "input"]
 
 
 def trained_positions(
-    loss_mask: torch.Tensor, lengths: torch.Tensor, step: int, loss_positions: LossPositions = "predicted"
-) -> torch.Tensor:
-    """bool [B, T]: step-`step` predictions of an existing, trained token (see the module docstring)."""
+    loss_mask: torch.Tensor, lengths: torch.Tensor, step: int, loss_positions: LossPositions = "predicted",
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """bool [B, T]: step-`step` predictions of an existing, trained token (see the module docstring).
+
+    In a packed row (`segments` [B, T], -1 = padding) token t+2+step must be in the same sample as token t.
+    """
     B, T = loss_mask.shape
-    index = torch.arange(T, device=loss_mask.device).expand(B, T)
-    exists = index + 2 + step < lengths.to(loss_mask.device)[:, None]
+    if segments is None:
+        index = torch.arange(T, device=loss_mask.device).expand(B, T)
+        exists = index + 2 + step < lengths.to(loss_mask.device)[:, None]
+    else:
+        exists = (segments >= 0) & (shift_left(segments, 2 + step, -1) == segments)
     return exists & shift_left(loss_mask.bool(), (2 if loss_positions == "predicted" else 1) + step, False)
 
 
 def kept_positions(
     loss_mask: torch.Tensor, lengths: torch.Tensor, in_draft: torch.Tensor, step: int,
-    loss_positions: LossPositions = "predicted",
+    loss_positions: LossPositions = "predicted", segments: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """bool [B, T]: which step-`step` predictions count for acc_k (and the soft_ce loss)."""
-    return trained_positions(loss_mask, lengths, step, loss_positions) & shift_left(in_draft, 1 + step, False)
+    trained = trained_positions(loss_mask, lengths, step, loss_positions, segments)
+    return trained & shift_left(in_draft, 1 + step, False)
 
 
 def ttt_step_loss(
@@ -114,15 +122,18 @@ def ttt_forward(
     step_weight: float,
     loss: Loss = "soft_ce",
     loss_positions: LossPositions = "predicted",
+    positions: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> TTTOutput:
-    """Unroll `num_steps` and score them. input_ids/loss_mask [B, T], aux [B, T, 3H], lengths [B]."""
+    """Unroll `num_steps` and score them. input_ids/loss_mask [B, T], aux [B, T, 3H], lengths [B];
+    packed rows also pass positions/segments [B, T] (`Eagle3Drafter.unroll`)."""
     # Called through a DistributedDataParallel wrapper when there is one (gradient sync);
     # d2t is read from the drafter inside it.
     inner: Eagle3Drafter = getattr(model, "module", model)
     losses, correct, counted = [], [], []
     total = torch.zeros((), device=aux.device)
-    for k, logits in enumerate(model(input_ids, aux, num_steps)):
-        trained = trained_positions(loss_mask, lengths, k, loss_positions)
+    for k, logits in enumerate(model(input_ids, aux, num_steps, positions, segments)):
+        trained = trained_positions(loss_mask, lengths, k, loss_positions, segments)
         kept = trained & shift_left(targets.in_draft, 1 + k, False)
         loss_k, c, n = ttt_step_loss(logits, targets, trained, kept, inner.d2t, k, loss)
         total = total + step_weight**k * loss_k
