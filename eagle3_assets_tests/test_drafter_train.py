@@ -20,7 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
-from eagle3_assets.drafter.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
+from eagle3_assets.drafter.checkpoint import CheckpointError, checkpoint_rel, list_checkpoints, save_checkpoint
 from eagle3_assets.drafter.train import NonFiniteLossError, TrainingError, train_drafter
 from eagle3_assets.hidden_states.sample_file import read_header
 from eagle3_assets.settings import TrainingSettings
@@ -195,6 +195,21 @@ def test_changed_settings_refuse_to_resume_and_missing_shards_refuse_to_start(tm
     # A MissingShardsError, and like every drafter training error a TrainingError (what callers catch).
     with pytest.raises(TrainingError, match=r"1 hidden-state shard\(s\) are not complete \(no _SUCCESS.json\): rows_16-32"):
         run(store, data)
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_asks_for_the_old_behaviour(tmp_path, data):
+    store = copy_store(data, tmp_path / "s")
+    old = SETTINGS.model_copy(update={"batch_order": "by_length", "adam_beta2": 0.95})  # what runs did then
+    run(store, data, settings=old, max_steps=2)
+    state_file = tmp_path / "s" / checkpoint_rel(2) / "state.json"
+    state = json.loads(state_file.read_text())
+    for added in ("batch_order", "adam_beta2"):  # as written before these settings existed
+        del state["run"]["settings"][added]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"settings.batch_order: checkpoint 'by_length', now 'packed'"):
+        run(store, data)
+    resumed, _ = run(store, data, settings=old, max_steps=3)
+    assert (resumed.resumed_from, resumed.step) == (2, 3)
 
 
 def test_drafter_learns_a_peaked_target(tmp_path):

@@ -173,6 +173,25 @@ def run_fingerprint(
     }
 
 
+# Settings added after runs were first checkpointed, with the behaviour runs had before them:
+# a checkpoint without one of these keys ran that way, and resumes when the setting asks for it.
+SETTINGS_ADDED_LATER: dict[str, Any] = {
+    "norm_before_fc": False,
+    "norm_before_residual": False,
+    "norm_output": False,
+    "train_lm_head": True,
+    "loss": "soft_ce",
+    "loss_positions": "predicted",
+    "adam_beta2": 0.95,
+    "batch_order": "by_length",
+}
+
+
+def with_settings_added_later(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """A saved run fingerprint with the behaviour of settings it predates filled in."""
+    return {**fingerprint, "settings": SETTINGS_ADDED_LATER | fingerprint.get("settings", {})}
+
+
 def _diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for k in sorted(set(saved) | set(now)):
@@ -369,7 +388,7 @@ def _resume(run: _Run, log: LogFn) -> tuple[int, DataPosition, str, dict[str, fl
     ck = load_checkpoint(
         run.store, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler
     )
-    if diffs := _diff(ck.state["run"], run.fingerprint):
+    if diffs := _diff(with_settings_added_later(ck.state["run"]), run.fingerprint):
         raise CheckpointError(
             f"{run.store.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
             f"remove {run.store.url_of(CHECKPOINTS_DIR)} (or pass resume=False) to start over"
