@@ -224,40 +224,23 @@ def load_sample(store: ArtifactStore, ref: SampleRef) -> tuple[dict[str, torch.T
     return tensors, meta.get("last_hidden_state_norm") == "pre_norm"
 
 
-def collate(loaded: Sequence[tuple[dict[str, torch.Tensor], bool]], refs: Sequence[SampleRef]) -> Batch:
-    B, T = len(loaded), max(t["input_ids"].shape[0] for t, _ in loaded)
-    first = loaded[0][0]
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    mask = torch.zeros(B, T, dtype=torch.uint8)
-    aux = torch.zeros(B, T, first["aux_hidden_states"].shape[1], dtype=first["aux_hidden_states"].dtype)
-    last = torch.zeros(B, T, first["last_hidden_state"].shape[1], dtype=first["last_hidden_state"].dtype)
-    lengths = torch.zeros(B, dtype=torch.int64)
-    for i, (t, _) in enumerate(loaded):
-        n = t["input_ids"].shape[0]
-        ids[i, :n] = t["input_ids"]
-        mask[i, :n] = t["loss_mask"]
-        aux[i, :n] = t["aux_hidden_states"]
-        last[i, :n] = t["last_hidden_state"]
-        lengths[i] = n
-    pre = torch.tensor([p for _, p in loaded], dtype=torch.bool)
-    return Batch(ids, mask, aux, last, lengths, pre, list(refs))
+Loaded = Sequence[tuple[dict[str, torch.Tensor], bool]]  # (tensors, pre_norm) per sample, from load_sample
 
 
-def collate_packed(
-    loaded: Sequence[tuple[dict[str, torch.Tensor], bool]], refs: Sequence[SampleRef], width: int
-) -> Batch:
-    """The samples first-fit into rows of `width` tokens (`pack_rows`), in the given order."""
-    rows = pack_rows([t["input_ids"].shape[0] for t, _ in loaded], width)
+def _place_rows(loaded: Loaded, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+    """Samples laid out in rows, each row its samples end to end, 0-padded to the longest row:
+    ids, loss mask, aux, last [R, T(, width)], tokens used per row [R], and per token its
+    pre_norm flag, sample within the row (-1: padding) and position within the sample [R, T]."""
     used = [sum(loaded[i][0]["input_ids"].shape[0] for i in row) for row in rows]
-    B, T = len(rows), max(used)
+    R, T = len(rows), max(used)
     first = loaded[0][0]
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    mask = torch.zeros(B, T, dtype=torch.uint8)
-    aux = torch.zeros(B, T, first["aux_hidden_states"].shape[1], dtype=first["aux_hidden_states"].dtype)
-    last = torch.zeros(B, T, first["last_hidden_state"].shape[1], dtype=first["last_hidden_state"].dtype)
-    pre = torch.zeros(B, T, dtype=torch.bool)
-    segments = torch.full((B, T), -1, dtype=torch.int64)
-    positions = torch.zeros(B, T, dtype=torch.int64)
+    ids = torch.zeros(R, T, dtype=torch.int64)
+    mask = torch.zeros(R, T, dtype=torch.uint8)
+    aux = torch.zeros(R, T, first["aux_hidden_states"].shape[1], dtype=first["aux_hidden_states"].dtype)
+    last = torch.zeros(R, T, first["last_hidden_state"].shape[1], dtype=first["last_hidden_state"].dtype)
+    pre = torch.zeros(R, T, dtype=torch.bool)
+    segments = torch.full((R, T), -1, dtype=torch.int64)
+    positions = torch.zeros(R, T, dtype=torch.int64)
     for r, row in enumerate(rows):
         start = 0
         for seg, i in enumerate(row):
@@ -269,8 +252,21 @@ def collate_packed(
             pre[r, span], segments[r, span] = pre_norm, seg
             positions[r, span] = torch.arange(n)
             start += n
-    refs_in_rows = [refs[i] for row in rows for i in row]
-    return Batch(ids, mask, aux, last, torch.tensor(used), pre, refs_in_rows, segments, positions)
+    return ids, mask, aux, last, torch.tensor(used), pre, segments, positions
+
+
+def collate(loaded: Loaded, refs: Sequence[SampleRef]) -> Batch:
+    """One 0-padded row per sample, in the given order."""
+    ids, mask, aux, last, lengths, _, _, _ = _place_rows(loaded, [[i] for i in range(len(loaded))])
+    pre = torch.tensor([p for _, p in loaded], dtype=torch.bool)
+    return Batch(ids, mask, aux, last, lengths, pre, list(refs))
+
+
+def collate_packed(loaded: Loaded, refs: Sequence[SampleRef], width: int) -> Batch:
+    """The samples first-fit into rows of `width` tokens (`pack_rows`), in the given order."""
+    rows = pack_rows([t["input_ids"].shape[0] for t, _ in loaded], width)
+    ids, mask, aux, last, used, pre, segments, positions = _place_rows(loaded, rows)
+    return Batch(ids, mask, aux, last, used, pre, [refs[i] for row in rows for i in row], segments, positions)
 
 
 def _first_fit(room: list[int], n: int, width: int) -> int:
@@ -302,14 +298,12 @@ def fill_packed(lengths: Sequence[int], order: Sequence[int], budget: int, width
     cur: list[int] = []
     room: list[int] = []
     for i in order:
-        trial = list(room)
-        _first_fit(trial, lengths[i], width)
-        if cur and len(trial) > max_rows:
+        # A sample that fits no open row of a full batch starts the next batch.
+        if cur and len(room) >= max_rows and all(lengths[i] > free for free in room):
             batches.append(cur)
-            cur, trial = [], []
-            _first_fit(trial, lengths[i], width)
+            cur, room = [], []
+        _first_fit(room, lengths[i], width)
         cur.append(i)
-        room = trial
     if cur:
         batches.append(cur)
     return batches
