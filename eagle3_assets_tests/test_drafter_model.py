@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from eagle3_assets.drafter.export import expected_export_tensors
 from eagle3_assets.target import TargetModel
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, KVCache, rms_norm, rotary_cos_sin, ttt_attention_mask
+from eagle3_assets.drafter.model import (
+    DrafterConfig, Eagle3Drafter, KVCache, rms_norm, rotary_cos_sin, step_indices, ttt_attention_mask,
+)  # fmt: skip
 
 CFG = DrafterConfig(
     hidden_size=64,
@@ -171,6 +173,51 @@ def test_aux_features_reach_later_indices_only():
     for k in range(2):
         changed = ((moved[k] - base[k]).abs().amax(-1)[0] > 1e-6).tolist()
         assert changed == [t >= 4 for t in range(8)], k
+
+
+def test_step_indices_lay_out_each_step_within_the_one_before():
+    needed = torch.tensor(
+        [
+            [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]],  # step 0: every index
+            [[0, 1, 0, 1, 1], [1, 0, 0, 0, 0]],
+            [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]],  # row 1 needs nothing at step 2
+        ],
+        dtype=torch.bool,
+    )
+    one, two = step_indices(needed)
+    assert one.index.tolist() == [[1, 3, 4], [0, 0, 0]]
+    assert one.valid.tolist() == [[True, True, True], [True, False, False]]
+    assert one.prev.tolist() == [[1, 3, 4], [0, 0, 0]]  # step 0's layout is the indices themselves
+    assert two.index.tolist() == [[3, 4], [0, 0]]
+    assert two.valid.tolist() == [[True, True], [False, False]]
+    assert two.prev.tolist() == [[1, 2], [0, 0]]  # index 3 was step 1's slot 1, index 4 its slot 2
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+@torch.no_grad()
+def test_an_unroll_at_some_indices_equals_the_full_unroll_there(norm_output):
+    torch.manual_seed(0)
+    model = make_model()
+    if norm_output:
+        model = Eagle3Drafter(
+            DrafterConfig(**{**CFG.to_dict(), "norm_output": True, "norm_before_residual": True}), model.d2t, model.t2d,
+            model.embed_tokens.weight,
+        )  # fmt: skip
+    ids, aux = inputs(B=2, T=9)
+    segments = torch.tensor([[0] * 5 + [1] * 4, [0] * 7 + [-1] * 2])
+    positions = torch.tensor([list(range(5)) + list(range(4)), list(range(7)) + [0, 0]])
+    g = torch.Generator().manual_seed(2)
+    needed = torch.rand(4, 2, 9, generator=g) < 0.6
+    needed = needed.flip(0).cummax(0).values.flip(0)  # nested: step k's within step k-1's
+    needed[0] = True
+    layouts = step_indices(needed)
+    assert [tuple(x.index.shape) for x in layouts] != [(2, 9)] * 3  # indices were dropped
+    full = model.unroll(ids, aux, 4, positions, segments)
+    part = model.unroll(ids, aux, 4, positions, segments, layouts)
+    torch.testing.assert_close(part[0], full[0])
+    for k, at in enumerate(layouts, start=1):
+        want = full[k].gather(1, at.index[..., None].expand(-1, -1, 64))
+        torch.testing.assert_close(part[k][at.valid], want[at.valid], rtol=1e-5, atol=1e-5)
 
 
 def test_sdpa_mask_rows_match_explicit_softmax():

@@ -8,7 +8,10 @@ import torch
 
 from eagle3_assets.drafter.data import SampleRef, collate, collate_packed
 from eagle3_assets.drafter.target_head import Targets
-from eagle3_assets.drafter.ttt import kept_positions, ttt_forward, ttt_step_loss
+from eagle3_assets.drafter.model import step_indices
+from eagle3_assets.drafter.ttt import (
+    kept_positions, needed_indices, predicted_targets, trained_positions, ttt_forward, ttt_step_loss,
+)  # fmt: skip
 
 from .test_drafter_model import make_model
 
@@ -23,6 +26,11 @@ def hand_made_targets() -> Targets:
     probs = torch.tensor([[[NAN, NAN], [0.5, 0.5], [0.9, 0.1], [0.0, 1.0], [NAN, NAN]]])
     argmax = torch.tensor([[0, 1, 0, 3, 0]])  # position 2's top-1 is target id 0: not in the draft vocab
     return Targets(probs=probs.nan_to_num(0.25), argmax=argmax, in_draft=T2D[argmax])
+
+
+def step0(targets: Targets) -> Targets:
+    """The targets step 0's predictions at every index are scored against."""
+    return predicted_targets(targets, torch.arange(targets.argmax.shape[1])[None], step=0)
 
 
 def test_step0_keeps_only_positions_with_a_trained_existing_in_vocab_target():
@@ -44,14 +52,14 @@ def test_step_loss_and_accuracy_exact_values():
     kept = torch.tensor([[True, False, True, False, False]])
     big = 1e4  # logits at dropped indices are absurd; they must not count
     logits = torch.tensor([[[0.0, 0.0], [big, -big], [0.0, math.log(3.0)], [big, -big], [-big, big]]])
-    loss, correct, n = ttt_step_loss(logits, targets, kept, kept, D2T, step=0)
+    loss, correct, n = ttt_step_loss(logits, step0(targets), kept, kept, D2T)
     # index 0 vs p=[.5,.5] with q=[.5,.5]: ln 2. index 2 vs p=[0,1] (position 3) with q=[.25,.75]: -ln .75
     assert n.item() == 2
     assert math.isclose(loss.item(), (math.log(2) - math.log(0.75)) / 2, rel_tol=1e-6)
     # index 0: draft argmax 0 -> target 1 == top-1 1 (ties take the first). index 2: draft 1 -> target 3 == 3.
     assert correct.item() == 2
     logits[0, 2] = torch.tensor([math.log(3.0), 0.0])  # now draft argmax 0 -> target 1 != 3
-    loss, correct, _ = ttt_step_loss(logits, targets, kept, kept, D2T, step=0)
+    loss, correct, _ = ttt_step_loss(logits, step0(targets), kept, kept, D2T)
     assert correct.item() == 1
     assert math.isclose(loss.item(), (math.log(2) - math.log(0.25)) / 2, rel_tol=1e-6)
 
@@ -59,7 +67,7 @@ def test_step_loss_and_accuracy_exact_values():
 def test_no_kept_position_gives_zero_loss_not_nan():
     targets = hand_made_targets()
     kept = torch.zeros(1, 5, dtype=torch.bool)
-    loss, correct, n = ttt_step_loss(torch.zeros(1, 5, 2), targets, kept, kept, D2T, step=0)
+    loss, correct, n = ttt_step_loss(torch.zeros(1, 5, 2), step0(targets), kept, kept, D2T)
     assert (loss.item(), correct.item(), n.item()) == (0.0, 0, 0)
 
 
@@ -127,3 +135,31 @@ def test_a_packed_row_scores_exactly_what_one_row_per_sample_scores():
         num_steps=4, step_weight=0.8,
     )  # fmt: skip
     assert leaky.kept.tolist() != a.kept.tolist()
+
+
+def test_skipping_unscored_indices_changes_no_loss_count_or_gradient():
+    """ttt_forward computes step k >= 1 only where a prediction is trained; every index at every step agrees."""
+    g = torch.Generator().manual_seed(7)
+    lengths = (12, 9, 10)
+    loaded = [(_random_sample(n, g), False) for n in lengths]
+    for sample, _ in loaded:
+        sample["loss_mask"][: len(sample["loss_mask"]) // 2] = 0  # a prompt: no trained prediction reads it
+    b = collate(loaded, [SampleRef("rows_0-3", i, n) for i, n in enumerate(lengths)])
+    trained = torch.stack([trained_positions(b.loss_mask, b.lengths, k) for k in range(4)])
+    assert [x.index.shape[1] for x in step_indices(needed_indices(trained))] == [7, 6, 3]  # of 12
+    for loss in ("soft_ce", "kl", "lk"):
+        runs = []
+        for skip in (True, False):
+            model = make_model().train()
+            out = ttt_forward(
+                model, b.input_ids, b.aux, b.loss_mask, b.lengths, _targets_of(b.last, model), num_steps=4,
+                step_weight=0.8, loss=loss, skip_unscored=skip,
+            )  # fmt: skip
+            out.loss.backward()
+            runs.append((out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        (skipped, grads), (full, want) = runs
+        assert skipped.kept.tolist() == full.kept.tolist() and skipped.correct.tolist() == full.correct.tolist()
+        assert full.kept[3] > 0
+        torch.testing.assert_close(skipped.step_losses, full.step_losses, rtol=1e-5, atol=1e-6)
+        for name, grad in want.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{loss}: {name}")

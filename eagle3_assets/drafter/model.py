@@ -22,6 +22,10 @@ per draft token), so query/key offsets match what the drafter meets at inference
 the rotary embedding is the target's, scaling type and factors included (`rope`), as
 the export declares it to the engine.
 
+Training need not compute a step where nothing scores it: `unroll` takes, for each step
+k >= 1, the indices to compute (`StepIndices`, chosen by `ttt.py`), and at those indices
+gives what the full unroll gives.
+
 Three placements of a norm are options (the EAGLE-3.1 / speculators variants; each
 written into the export for vLLM, `export.py`):
   norm_before_fc        RMSNorm over the 3H fused features before `fc` (`input_norm`)
@@ -156,25 +160,76 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def ttt_attention_mask(
-    seq_len: int, num_steps: int, device: torch.device | None = None, segments: torch.Tensor | None = None
-) -> torch.Tensor:
+    seq_len: int, num_steps: int, device: torch.device | None = None, segments: torch.Tensor | None = None,
+    query_index: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Which keys a query of the latest TTT step sees: bool [T, num_steps * T] (True = attend).
 
     Block 0 is the causal mask over step-0 keys; block j >= 1 is the identity (step j's
     key at the query's own index). See the module docstring. With `segments` [B, T]
     (packed rows: the sample each token belongs to) block 0 is also cut to the query's
-    own sample, and the mask is [B, 1, T, num_steps * T].
+    own sample, and the mask is [B, 1, T, num_steps * T]. With `query_index` [B, Tq]
+    (a step computed at some indices only, `StepIndices`) the queries are those indices
+    and the later blocks are Tq wide: [B, 1, Tq, T + (num_steps - 1) * Tq].
     """
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    own = torch.eye(seq_len, dtype=torch.bool, device=device)
+    if query_index is None:
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        own = torch.eye(seq_len, dtype=torch.bool, device=device)
+        if segments is not None:
+            causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
+            own = own.expand_as(causal)
+        return torch.cat([causal] + [own] * (num_steps - 1), dim=-1)
+    B, Tq = query_index.shape
+    causal = torch.arange(seq_len, device=device)[None, None, :] <= query_index[:, :, None]  # [B, Tq, T]
     if segments is not None:
-        causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
-        own = own.expand_as(causal)
-    return torch.cat([causal] + [own] * (num_steps - 1), dim=-1)
+        causal &= segments[:, None, :] == segments.gather(1, query_index)[:, :, None]
+    own = torch.eye(Tq, dtype=torch.bool, device=device).expand(B, Tq, Tq)
+    return torch.cat([causal] + [own] * (num_steps - 1), dim=-1)[:, None]
+
+
+@dataclass(frozen=True)
+class StepIndices:
+    """The indices one TTT step k >= 1 computes, when not all of them are needed.
+
+    A prediction nothing scores (a prompt index far from any answer, padding, the last
+    indices of a sample) still costs a full step; training computes step k only at the
+    indices whose step-k or later prediction counts (`ttt.needed_indices`). Those sets
+    shrink with k, so step k's indices are a subset of step k-1's: each step reads its
+    input from the step before through `prev`.
+      index [B, Tk] ascending indices into T; slots past a row's count repeat index 0
+      valid [B, Tk] which slots are real
+      prev  [B, Tk] each slot's slot in step k-1's layout (step 0's is all of T)
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    prev: torch.Tensor
+
+
+def step_indices(needed: torch.Tensor) -> list[StepIndices]:
+    """Layouts of steps 1..K-1 from needed bool [K, B, T], each step's set within the one before."""
+    K, B, T = needed.shape
+    arange = torch.arange(T, device=needed.device)
+    slot_before = arange.expand(B, T)  # step 0: index t is slot t
+    layouts = []
+    for k in range(1, K):
+        count = needed[k].sum(1)  # [B]
+        width = max(int(count.max()), 1)
+        # Needed indices first, in order: sort keys t (needed) and T + t (not).
+        index = torch.where(needed[k], arange, arange + T).argsort(dim=1)[:, :width]  # [B, Tk]
+        valid = torch.arange(width, device=needed.device)[None, :] < count[:, None]
+        index = index.masked_fill(~valid, 0)
+        prev = slot_before.gather(1, index).masked_fill(~valid, 0)
+        layouts.append(StepIndices(index, valid, prev))
+        slot_before = torch.zeros(B, T, dtype=torch.long, device=needed.device).scatter(
+            1, index, torch.arange(width, device=needed.device).expand(B, width).masked_fill(~valid, 0)
+        )  # fmt: skip
+    return layouts
 
 
 class KVCache:
-    """Keys/values of the TTT steps so far, one [B, nkv, T, hd] pair per step."""
+    """Keys/values of the TTT steps so far, one [B, nkv, T, hd] pair per step (steps >= 1 [B, nkv, Tk, hd]
+    when computed at some indices only: `StepIndices`)."""
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -187,6 +242,12 @@ class KVCache:
         self.keys.append(k)
         self.values.append(v)
         return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)  # [B, nkv, steps*T, hd]
+
+    def select(self, prev: torch.Tensor) -> None:
+        """Steps >= 1 follow the next step's layout: slot s takes slot prev[:, s] (prev [B, Tk])."""
+        for kv in (self.keys, self.values):
+            for j in range(1, len(kv)):
+                kv[j] = kv[j].gather(2, prev[:, None, :, None].expand(-1, kv[j].shape[1], -1, kv[j].shape[3]))
 
 
 class Attention(nn.Module):
@@ -202,8 +263,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, segments: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, segments: torch.Tensor | None,
+        query_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        # x [B, T, 2H], or [B, Tk, 2H] at query_index [B, Tk] (indices into the step-0 keys' T)
         B, T, _ = x.shape
         nh, nkv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
@@ -211,7 +274,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.append(k, v)  # [B, nkv, steps*T, hd]
-        mask = ttt_attention_mask(T, len(cache), x.device, segments)  # [T, steps*T] or [B, 1, T, steps*T]
+        seq_len = cache.keys[0].shape[2]
+        mask = ttt_attention_mask(seq_len, len(cache), x.device, segments, query_index)  # [T, steps*T] or [B, 1, T, ...]
         # The fused kernels take an arbitrary mask, so the [T, steps*T] scores are never
         # materialised per head (memory stays linear in T on GPU).
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)  # [B, nh, T, hd]
@@ -246,13 +310,13 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        segments: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None, query_index: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         # embeds, hidden [B, T, H]
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         residual = normed if self.norm_before_residual else hidden
-        h = residual + self.self_attn(x, cos, sin, cache, segments)  # [B, T, H]
+        h = residual + self.self_attn(x, cos, sin, cache, segments, query_index)  # [B, T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H], the pre-norm output
 
 
@@ -311,11 +375,12 @@ class Eagle3Drafter(nn.Module):
 
     def step(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-        segments: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None, query_index: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """One TTT step: token ids [B, T], hidden [B, T, H], positions [B, T] -> pre-norm hidden [B, T, H]."""
+        """One TTT step: token ids [B, T], hidden [B, T, H], positions [B, T] -> pre-norm hidden [B, T, H]
+        (T -> Tk throughout at `query_index` [B, Tk])."""
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.rope_scaling)
-        return self.midlayer(self.embed(input_ids), hidden, cos, sin, cache, segments)
+        return self.midlayer(self.embed(input_ids), hidden, cos, sin, cache, segments, query_index)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(prenorm))  # [B, T, H] -> [B, T, Vd]
@@ -323,13 +388,15 @@ class Eagle3Drafter(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int,
         positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+        indices: list[StepIndices] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
-        """Draft logits of TTT steps 0..num_steps-1, each [B, T, Vd] (see `unroll`)."""
-        return [self.logits(h) for h in self.unroll(input_ids, aux, num_steps, positions, segments)]
+        """Draft logits of TTT steps 0..num_steps-1, each [B, T, Vd] ([B, Tk, Vd] with `indices`; see `unroll`)."""
+        return [self.logits(h) for h in self.unroll(input_ids, aux, num_steps, positions, segments, indices)]
 
     def unroll(
         self, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int,
         positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+        indices: list[StepIndices] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """The TTT unroll: pre-norm hidden states of steps 0..num_steps-1, each [B, T, H].
 
@@ -339,7 +406,10 @@ class Eagle3Drafter(nn.Module):
         step k-1 output at the same index (normed with `norm_output`). Packed rows pass
         `segments` [B, T] (the sample of each token) and `positions` [B, T] (its index
         within that sample): attention then stays inside a sample, and a read past a
-        sample's end is, like one past the row's end, never scored.
+        sample's end is, like one past the row's end, never scored. With `indices`
+        (one `StepIndices` per step k >= 1) step k is computed at those indices only and
+        its output is [B, Tk, H], slot s holding index indices[k-1].index[:, s]; at
+        every computed index it equals the full unroll's.
         """
         B, T = input_ids.shape
         cache = KVCache()
@@ -347,10 +417,15 @@ class Eagle3Drafter(nn.Module):
         hidden = self.project(aux)  # [B, T, H]
         outputs = []
         for k in range(num_steps):
-            shifted = torch.zeros_like(input_ids)
-            if k + 1 < T:
-                shifted[:, : T - 1 - k] = input_ids[:, 1 + k :]
-            prenorm = self.step(shifted, hidden, index + k, cache, segments)
+            at = indices[k - 1] if indices is not None and k > 0 else None
+            if at is None:
+                read, step_positions = torch.arange(T, device=input_ids.device).expand(B, T) + 1 + k, index + k
+            else:
+                hidden = hidden.gather(1, at.prev[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, Tk, H]
+                cache.select(at.prev)
+                read, step_positions = at.index + 1 + k, index.gather(1, at.index) + k
+            tokens = input_ids.gather(1, read.clamp(max=T - 1)).masked_fill(read >= T, 0)
+            prenorm = self.step(tokens, hidden, step_positions, cache, segments, None if at is None else at.index)
             outputs.append(prenorm)
             hidden = self.norm(prenorm) if self.config.norm_output else prenorm
         return outputs
@@ -364,9 +439,11 @@ __all__ = [
     "DrafterConfig",
     "Eagle3Drafter",
     "KVCache",
+    "StepIndices",
     "count_parameters",
     "rms_norm",
     "rotary_cos_sin",
     "rotary_frequencies",
+    "step_indices",
     "ttt_attention_mask",
 ]

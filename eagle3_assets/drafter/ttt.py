@@ -20,6 +20,10 @@ drafter's, step k's loss, averaged over its positions, is
   lk       -log sum_v min(p_v, q_v): minus the log of the probability that speculative
            sampling accepts the draft token (1 - total variation), over every trained one.
 The total is sum_k step_weight**k * loss_k.
+
+Step k >= 1 is computed only at the indices where its own or a later step's prediction
+is trained (`needed_indices`): on chat rows most prompt indices feed no scored
+prediction past step 0, and skipping them changes no loss and no count.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_assets.drafter.model import Eagle3Drafter
+from eagle3_assets.drafter.model import Eagle3Drafter, StepIndices, step_indices
 from eagle3_assets.drafter.target_head import Targets
 
 
@@ -88,24 +92,39 @@ def kept_positions(
     return trained & shift_left(in_draft, 1 + step, False)
 
 
+def needed_indices(trained: torch.Tensor) -> torch.Tensor:
+    """bool [K, B, T] from trained [K, B, T]: index t's step-k output is used by a trained step-j prediction, j >= k."""
+    return trained.flip(0).cummax(0).values.flip(0)
+
+
+def predicted_targets(targets: Targets, index: torch.Tensor, step: int) -> Targets:
+    """What the step-`step` predictions at `index` [B, Tk] are scored against: the target at index + 1 + step.
+
+    Past a row's end the last position stands in: those predictions never count.
+    """
+    at = (index + 1 + step).clamp(max=targets.argmax.shape[1] - 1)  # [B, Tk]
+    probs = targets.probs.gather(1, at[..., None].expand(-1, -1, targets.probs.shape[-1]))
+    exists = index + 1 + step < targets.argmax.shape[1]
+    return Targets(probs, targets.argmax.gather(1, at), targets.in_draft.gather(1, at) & exists)
+
+
 def ttt_step_loss(
-    logits: torch.Tensor, targets: Targets, trained: torch.Tensor, kept: torch.Tensor, d2t: torch.Tensor, step: int,
+    logits: torch.Tensor, predicted: Targets, trained: torch.Tensor, kept: torch.Tensor, d2t: torch.Tensor,
     loss: Loss = "soft_ce",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(loss, correct, kept count) of one step; logits [B, T, Vd] at index t score position t+1+step."""
-    p = shift_left(targets.probs, 1 + step)  # [B, T, Vd]
-    top1 = shift_left(targets.argmax, 1 + step)  # [B, T] target ids
-    logq = F.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
+    """(loss, correct, kept count) of one step: logits [B, Tk, Vd] against `predicted` (`predicted_targets`)."""
+    p, top1 = predicted.probs, predicted.argmax  # [B, Tk, Vd], [B, Tk] target ids
+    logq = F.log_softmax(logits.float(), dim=-1)  # [B, Tk, Vd]
     if loss == "lk":
-        per_position = -torch.log(torch.minimum(p, logq.exp()).sum(-1).clamp(min=1e-9))  # [B, T]
+        per_position = -torch.log(torch.minimum(p, logq.exp()).sum(-1).clamp(min=1e-9))  # [B, Tk]
     else:
-        per_position = -(p * logq).sum(-1)  # [B, T]; KL differs from it by the constant entropy of p
+        per_position = -(p * logq).sum(-1)  # [B, Tk]; KL differs from it by the constant entropy of p
         if loss == "kl":
             per_position = per_position + (p * torch.log(p.clamp(min=1e-30))).sum(-1)
     counted = kept if loss == "soft_ce" else trained
     value = (per_position * counted).sum() / counted.sum().clamp(min=1)
     with torch.no_grad():
-        draft_top1 = logits.argmax(-1)  # [B, T] draft ids
+        draft_top1 = logits.argmax(-1)  # [B, Tk] draft ids
         correct = ((draft_top1 + d2t[draft_top1]) == top1) & kept
     return value, correct.sum(), kept.sum()
 
@@ -124,18 +143,28 @@ def ttt_forward(
     loss_positions: LossPositions = "predicted",
     positions: torch.Tensor | None = None,
     segments: torch.Tensor | None = None,
+    skip_unscored: bool = True,
 ) -> TTTOutput:
     """Unroll `num_steps` and score them. input_ids/loss_mask [B, T], aux [B, T, 3H], lengths [B];
-    packed rows also pass positions/segments [B, T] (`Eagle3Drafter.unroll`)."""
+    packed rows also pass positions/segments [B, T] (`Eagle3Drafter.unroll`). `skip_unscored=False`
+    computes every step at every index (the same result, at more cost: tests and benchmarks)."""
     # Called through a DistributedDataParallel wrapper when there is one (gradient sync);
     # d2t is read from the drafter inside it.
     inner: Eagle3Drafter = getattr(model, "module", model)
+    B, T = input_ids.shape
+    trained = torch.stack([trained_positions(loss_mask, lengths, k, loss_positions, segments) for k in range(num_steps)])
+    indices = step_indices(needed_indices(trained)) if skip_unscored else None
+    every_index = torch.arange(T, device=aux.device).expand(B, T)  # step 0 runs at all of them
     losses, correct, counted = [], [], []
     total = torch.zeros((), device=aux.device)
-    for k, logits in enumerate(model(input_ids, aux, num_steps, positions, segments)):
-        trained = trained_positions(loss_mask, lengths, k, loss_positions, segments)
-        kept = trained & shift_left(targets.in_draft, 1 + k, False)
-        loss_k, c, n = ttt_step_loss(logits, targets, trained, kept, inner.d2t, k, loss)
+    for k, logits in enumerate(model(input_ids, aux, num_steps, positions, segments, indices)):
+        at: StepIndices | None = indices[k - 1] if indices is not None and k > 0 else None
+        index = every_index if at is None else at.index
+        predicted = predicted_targets(targets, index, k)
+        trained_k = trained[k].gather(1, index)  # [B, Tk]
+        if at is not None:
+            trained_k &= at.valid
+        loss_k, c, n = ttt_step_loss(logits, predicted, trained_k, trained_k & predicted.in_draft, inner.d2t, loss)
         total = total + step_weight**k * loss_k
         losses.append(loss_k.detach())
         correct.append(c)
