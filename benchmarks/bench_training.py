@@ -6,7 +6,10 @@
    (memory-mapped files, worker threads), in samples/s.
 2. Training step: the demo-sized drafter (H 128, 4 heads of 32, MLP 512, vocab 1024,
    draft vocab 512, 7 TTT steps, 4,096-token batches) on the same batches: samples/s
-   and tokens/s it consumes. P5 is (1) / (2), goal >= 5.
+   and tokens/s it consumes. P5 is (1) / (2), goal >= 5. Each row's first quarter is
+   its prompt (no loss), as in chat rows; the same steps are timed again computing every
+   TTT step at every index (`skip_unscored=False`), alternating step by step, and the
+   ratio is the CPU the skipped indices save.
 3. One Kimi-shaped layer (H 7168, 64 heads of 112, MLP 18,432, draft vocab 32,000,
    7 TTT steps): one forward+backward on a short sequence, tokens/s. The frozen
    embedding is given a 32,000-row vocabulary instead of 163,840 (lookup cost does not
@@ -25,10 +28,11 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from eagle3_assets.drafter.data import SAMPLE_FORMAT, BatchLoader, index_samples
+from eagle3_assets.drafter.data import BatchLoader, index_samples
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, count_parameters
 from eagle3_assets.drafter.target_head import Targets
 from eagle3_assets.drafter.ttt import ttt_forward
+from eagle3_assets.hidden_states.sample_file import FORMAT as SAMPLE_FORMAT
 from eagle3_assets.storage import ArtifactStore
 
 DEMO = DrafterConfig(
@@ -47,7 +51,7 @@ def write_demo_shards(store: ArtifactStore, rows: int, shard_size: int, seed: in
             T = int(rng.integers(120, 300))
             tensors = {
                 "input_ids": torch.randint(0, DEMO.vocab_size, (T,), generator=g, dtype=torch.int32),
-                "loss_mask": torch.ones(T, dtype=torch.uint8),
+                "loss_mask": (torch.arange(T) >= T // 4).to(torch.uint8),  # a prompt, then the answer
                 "aux_hidden_states": torch.randn(T, 3 * DEMO.hidden_size, generator=g).bfloat16(),
                 "last_hidden_state": torch.randn(T, DEMO.hidden_size, generator=g).bfloat16(),
             }
@@ -73,6 +77,11 @@ def make_drafter(cfg: DrafterConfig) -> Eagle3Drafter:
     return Eagle3Drafter(cfg, torch.zeros(cfg.draft_vocab_size, dtype=torch.int64), t2d)
 
 
+def make_trainer() -> tuple[Eagle3Drafter, torch.optim.Optimizer]:
+    model = make_drafter(DEMO)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+
 def bench_loader_and_demo_step(tmp: Path, batch_tokens: int, steps: int) -> dict[str, float]:
     store = ArtifactStore(tmp / "store")
     keys = write_demo_shards(store, rows=400, shard_size=200)
@@ -90,32 +99,36 @@ def bench_loader_and_demo_step(tmp: Path, batch_tokens: int, steps: int) -> dict
         batches.append(batch)
     load_s = time.perf_counter() - t0
 
-    model = make_drafter(DEMO)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    step_s = {True: 0.0, False: 0.0}
+    trainers = {skip: make_trainer() for skip in step_s}
     g = torch.Generator().manual_seed(0)
+    targets = [random_targets(*b.input_ids.shape, DEMO, trainers[True][0], g) for b in batches[: steps + 1]]
     step_samples = step_tokens = 0
-    step_s = 0.0
-    for i, b in enumerate(batches[: steps + 1]):
-        targets = random_targets(*b.input_ids.shape, DEMO, model, g)
-        t = time.perf_counter()
-        out = ttt_forward(model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets, num_steps=7, step_weight=0.8)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        if i > 0:  # the first step warms allocators up
-            step_s += time.perf_counter() - t
+    for i, (b, tg) in enumerate(zip(batches, targets)):
+        for skip, (model, opt) in trainers.items():
+            t = time.process_time()
+            out = ttt_forward(
+                model, b.input_ids, b.aux, b.loss_mask, b.lengths, tg, num_steps=7, step_weight=0.8, skip_unscored=skip
+            )
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            if i > 0:  # the first step warms allocators up
+                step_s[skip] += time.process_time() - t
+        if i > 0:
             step_samples += len(b.samples)
             step_tokens += b.num_tokens
+    train_sps = step_samples / step_s[True]
     loader_sps = n_samples / load_s
-    train_sps = step_samples / step_s
     return {
         "loader_samples_per_s": loader_sps,
         "loader_tokens_per_s": n_tokens / load_s,
         "demo_train_samples_per_s": train_sps,
-        "demo_train_tokens_per_s": step_tokens / step_s,
-        "demo_step_s": step_s / max(1, min(steps, len(batches) - 1)),
+        "demo_train_tokens_per_s": step_tokens / step_s[True],
+        "demo_step_cpu_s": step_s[True] / max(1, min(steps, len(batches) - 1)),
+        "demo_step_every_index_over_skipping": step_s[False] / step_s[True],
         "P5_loader_over_training": loader_sps / train_sps,
-        "demo_trainable_params": float(count_parameters(model)),
+        "demo_trainable_params": float(count_parameters(trainers[True][0])),
     }
 
 
