@@ -55,7 +55,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(5400)]
 OFF_BY_ONE_RECIPE = TrainingSettings.model_validate(
     demo_settings().training.model_dump()
     | {"steps": 155, "norm_before_fc": False, "norm_output": False, "norm_before_residual": False}
-    | {"batch_order": "by_length"}
+    | {"batch_order": "by_length", "weight_decay": 0.0}  # the regime its figures were measured in
 )
 
 
