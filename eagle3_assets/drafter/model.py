@@ -172,13 +172,12 @@ def ttt_attention_mask(
     (a step computed at some indices only, `StepIndices`) the queries are those indices
     and the later blocks are Tq wide: [B, 1, Tq, T + (num_steps - 1) * Tq].
     """
-    if query_index is None:
+    if query_index is None and segments is None:  # one mask for every row
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
         own = torch.eye(seq_len, dtype=torch.bool, device=device)
-        if segments is not None:
-            causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
-            own = own.expand_as(causal)
         return torch.cat([causal] + [own] * (num_steps - 1), dim=-1)
+    if query_index is None:  # every index of every row queries
+        query_index = torch.arange(seq_len, device=device).expand(segments.shape[0], seq_len)
     B, Tq = query_index.shape
     causal = torch.arange(seq_len, device=device)[None, None, :] <= query_index[:, :, None]  # [B, Tq, T]
     if segments is not None:
