@@ -110,6 +110,19 @@ class TrainingSettings(_Section):
         default_factory=lambda: ["vllm"],
         description="engines the export must serve in; with 'sglang', the three norm options must be off",
     )
+    # How the data reaches training (README, "Training past the disk").
+    mode: Literal["offline", "rolling"] = Field(
+        "offline",
+        description="offline: train once every shard is on disk; rolling: train each shard as it lands and delete "
+        "it once a checkpoint has learnt it, with at most window_shards complete shards on disk",
+    )
+    window_shards: int = Field(2, ge=1, description="rolling: complete shards on disk at most (extraction waits)")
+    shard_wait_s: float = Field(
+        6 * 3600.0, gt=0, description="rolling: how long training waits for the next shard before the run fails"
+    )
+    sample_ledger: bool = Field(
+        False, description="record every trained sample's row and step in each checkpoint (an audit of exactly-once)"
+    )
 
     @model_validator(mode="after")
     def _servable(self) -> TrainingSettings:
@@ -120,6 +133,26 @@ class TrainingSettings(_Section):
                     f"{', '.join(flags)}: SGLang's EAGLE-3 drafter has no such option and would serve this export "
                     "without it, drafting wrongly; remove 'sglang' from training.serve_with to use it (vLLM reads it)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _single_pass_when_rolling(self) -> TrainingSettings:
+        if self.mode != "rolling":
+            return self
+        # A released shard is gone: a second epoch would have to extract every shard again. Real runs at
+        # the scale rolling mode is for see each sample once (README, "Training past the disk").
+        if self.steps is not None:
+            raise ValueError(
+                "steps: rolling mode trains every shard once and plans its steps from the tokenized set; remove "
+                "training.steps (or use mode: offline)"
+            )
+        if "epochs" not in self.model_fields_set:
+            object.__setattr__(self, "epochs", 1.0)
+        elif self.epochs != 1.0:
+            raise ValueError(
+                f"epochs: {self.epochs} in rolling mode, where each shard is deleted once trained; a second epoch "
+                "would extract every shard again. Set epochs: 1 (more rows instead of more epochs), or mode: offline"
+            )
         return self
 
 

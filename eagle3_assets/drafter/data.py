@@ -42,6 +42,7 @@ from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.hidden_states.sample_file import (
     HIDDEN_NAMES,
     MANIFEST_NAME,
+    SAMPLE_SUFFIX,
     TOKEN_NAMES,
     decode_hidden,
     describe_header,
@@ -97,9 +98,12 @@ class SampleRef:
     shard: str
     row: int
     length: int  # tokens
+    copied_to: str | None = None  # a directory holding a copy, read instead of the shard (rolling held-out rows)
 
     @property
     def rel(self) -> str:
+        if self.copied_to is not None:
+            return f"{self.copied_to}/{self.row}{SAMPLE_SUFFIX}"
         return sample_path(self.shard, self.row)
 
 
@@ -422,13 +426,16 @@ class BatchLoader:
             return collate_packed(loaded, refs, packing_width(self.lengths, self.budget))
         return collate(loaded, refs)
 
-    def iterate(self, start: DataPosition = DataPosition()) -> Iterator[tuple[DataPosition, Batch]]:
-        """(position, batch) from `start` on, endlessly across epochs; the caller stops."""
+    def iterate(self, start: DataPosition = DataPosition(), *, one_epoch: bool = False) -> Iterator[tuple[DataPosition, Batch]]:
+        """(position, batch) from `start` on, endlessly across epochs (the caller stops), or to the end of
+        `start`'s epoch with `one_epoch`, loading nothing past it."""
 
         def positions() -> Iterator[DataPosition]:
             pos = start
             while True:
                 if pos.batch >= self.steps_in_epoch(pos.epoch):
+                    if one_epoch:
+                        return
                     if self.steps_in_epoch(pos.epoch) == 0:
                         raise DataError(
                             f"epoch {pos.epoch} has no batches for rank {self.rank} of {self.world_size}: "
@@ -444,9 +451,10 @@ class BatchLoader:
             source = positions()
             try:
                 while True:
-                    while len(pending) < self.prefetch:
-                        pos = next(source)
+                    while len(pending) < self.prefetch and (pos := next(source, None)) is not None:
                         pending.append((pos, pool.submit(self.load, self.rank_plan(pos.epoch)[pos.batch])))
+                    if not pending:
+                        return
                     pos, fut = pending.popleft()
                     yield pos, fut.result()
             finally:

@@ -60,3 +60,19 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def all_gather_ints(values: list[int]) -> list[int]:
+    """Every rank's `values`, concatenated in rank order (`values` itself outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    count = torch.tensor([len(values)], device=device)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    width = int(max(c.item() for c in counts))
+    mine = torch.zeros(width, dtype=torch.int64, device=device)
+    mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    rows = [torch.zeros_like(mine) for _ in counts]
+    dist.all_gather(rows, mine)
+    return [int(v) for r, c in zip(rows, counts, strict=True) for v in r[: int(c.item())].tolist()]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.drafter.checkpoint import (
     CHECKPOINTS_DIR,
     CheckpointError,
@@ -37,6 +38,7 @@ from eagle3_assets.drafter.checkpoint import (
 from eagle3_assets.drafter.data import (
     Batch,
     BatchLoader,
+    DataError,
     DataPosition,
     SampleFormat,
     SampleRef,
@@ -45,22 +47,34 @@ from eagle3_assets.drafter.data import (
     require_complete_shards,
     split_heldout,
 )
-from eagle3_assets.drafter.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, pick_device
+from eagle3_assets.drafter.distributed import (
+    DistEnv,
+    all_gather_ints,
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+    pick_device,
+)
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.rolling import RollingLoader, RollingPlan, ShardWindow
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
 from eagle3_assets.drafter.tensorboard import TensorBoard
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
+from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VocabMap, vocab_map_problems
 
 ADAM_BETA1 = 0.9
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 LogFn = Callable[[str], None]
+ShardEventCallback = Callable[[dict], None]
+# Rolling mode: how often a rank looks in the store for the next shard's check record.
+SHARD_POLL_S = 2.0
 
 
 class NonFiniteLossError(TrainingError):
@@ -161,7 +175,7 @@ def run_fingerprint(
 ) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed: the data plan and the schedule."""
     s = settings.model_dump()
-    for volatile in ("checkpoint_every", "device", "serve_with"):
+    for volatile in ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s"):
         s.pop(volatile)
     return {
         "settings": s,
@@ -184,6 +198,8 @@ SETTINGS_ADDED_LATER: dict[str, Any] = {
     "loss_positions": "predicted",
     "adam_beta2": 0.95,
     "batch_order": "by_length",
+    "mode": "offline",
+    "sample_ledger": False,
 }
 
 
@@ -227,13 +243,17 @@ class _Run:
     model: Eagle3Drafter
     step_model: nn.Module  # the model, wrapped in DistributedDataParallel when WORLD_SIZE > 1
     head: TargetHead
-    loader: BatchLoader
+    loader: BatchLoader | RollingLoader
     heldout: list[SampleRef]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     param_names: list[str]
     total_steps: int
     fingerprint: dict[str, Any]
+    window: ShardWindow | None  # rolling mode
+    # With training.sample_ledger: [step, rows of the step's batch over all ranks], every step this run's
+    # checkpoints hold, saved in each of them.
+    ledger: list[list] | None
 
     def train_step(self, step: int, batch: Batch) -> dict[str, float]:
         """One optimizer step, top to bottom; its metrics summed over ranks."""
@@ -283,6 +303,7 @@ class _Run:
                     "drafter_config": self.cfg.to_dict(),
                     "aux_layer_ids": list(self.fmt.aux_layer_ids),
                     "metrics": metrics,
+                    **({"ledger": self.ledger} if self.ledger is not None else {}),
                 },
             )  # fmt: skip
             if tb is not None:
@@ -303,6 +324,9 @@ class _Run:
             for pos, batch in batches:
                 metrics = self.train_step(step + 1, batch)
                 step += 1
+                if self.ledger is not None:
+                    self.ledger.append([step, all_gather_ints([ref.row for ref in batch.samples])])
+                crash_point(f"step:{step}")
                 now = time.perf_counter()
                 epoch = pos.epoch + (pos.batch + 1) / self.loader.steps_in_epoch(pos.epoch)
                 metrics.update(epoch=epoch, seconds=now - t_last)
@@ -317,8 +341,12 @@ class _Run:
                             f"drafter: step {step}/{self.total_steps} loss {metrics['loss']:.4f} acc_k {accs} "
                             f"lr {metrics['lr']:.2e}"
                         )
-                if step % self.settings.checkpoint_every == 0 or step == stop_at:
+                shard_done = self.window is not None and self.loader.ends_shard(pos)
+                if step % self.settings.checkpoint_every == 0 or step == stop_at or shard_done:
                     ckpt = self.checkpoint(step, self.loader.position_after(pos), metrics, tb)
+                if shard_done:
+                    crash_point(f"checkpointed:{self.window.plan.keys[pos.epoch]}")
+                    self.window.consumed(pos.epoch, step)
                 if step >= stop_at:
                     break
         return step, metrics, ckpt
@@ -333,6 +361,58 @@ class _Run:
         )  # fmt: skip
 
 
+def _offline_data(
+    store: ArtifactStore, shard_keys: Sequence[str], settings: TrainingSettings, env: DistEnv, data_workers: int
+) -> tuple[SampleFormat, BatchLoader, list[SampleRef]]:
+    """Every shard on disk: all samples indexed from their headers, held-out rows drawn from all of them."""
+    require_complete_shards(store, shard_keys)
+    samples, fmt = index_samples(store, shard_keys)
+    train_samples, held = (samples, [])
+    if settings.heldout_rows:
+        train_samples, held = split_heldout(samples, settings.heldout_rows, settings.seed)
+    loader = BatchLoader(
+        store, train_samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
+        rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
+    )  # fmt: skip
+    return fmt, loader, held
+
+
+def _rolling_data(
+    store: ArtifactStore,
+    shard_keys: Sequence[str],
+    settings: TrainingSettings,
+    env: DistEnv,
+    data_workers: int,
+    *,
+    log: LogFn,
+    on_shard: ShardEventCallback | None,
+) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow]:
+    """One pass planned from the tokenized set; the first shard (once checked) decides the format."""
+    plan = RollingPlan.from_tokenized(
+        TokenizedSet.load(store), shard_keys, heldout_rows=settings.heldout_rows, seed=settings.seed
+    )
+    window = ShardWindow(
+        store, plan, env.is_main, poll_s=SHARD_POLL_S, wait_s=settings.shard_wait_s, log=log, on_event=on_shard
+    )
+    fmt = window.wait_for(0)
+
+    def ready(k: int) -> None:
+        f = window.wait_for(k)
+        if (f.hidden_size, f.aux_layer_ids) != (fmt.hidden_size, fmt.aux_layer_ids):
+            raise DataError(
+                f"shard {plan.keys[k]}: hidden size {f.hidden_size}, aux layers {list(f.aux_layer_ids)} differ from "
+                f"{plan.keys[0]} ({fmt.hidden_size}, {list(fmt.aux_layer_ids)}): the shards were extracted with "
+                "different settings"
+            )
+        window.started(k)
+
+    loader = RollingLoader(
+        store, plan, batch_tokens=settings.batch_tokens, seed=settings.seed, rank=env.rank,
+        world_size=env.world_size, order=settings.batch_order, workers=data_workers, wait_for=ready,
+    )  # fmt: skip
+    return fmt, loader, list(plan.heldout), window
+
+
 def _prepare(
     store: ArtifactStore,
     shard_keys: Sequence[str],
@@ -344,11 +424,16 @@ def _prepare(
     settings: TrainingSettings,
     intermediate_size: int | None,
     data_workers: int,
+    log: LogFn,
+    on_shard: ShardEventCallback | None,
 ) -> _Run:
-    samples, fmt = index_samples(store, shard_keys)
-    train_samples, held = (samples, [])
-    if settings.heldout_rows:
-        train_samples, held = split_heldout(samples, settings.heldout_rows, settings.seed)
+    window = None
+    if settings.mode == "rolling":
+        fmt, loader, held, window = _rolling_data(
+            store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard
+        )
+    else:
+        fmt, loader, held = _offline_data(store, shard_keys, settings, env, data_workers)
     _check_inputs(fmt, target, vmap)
     weights = load_target_weights(target)
     cfg = DrafterConfig.from_target(
@@ -358,10 +443,6 @@ def _prepare(
     )  # fmt: skip
     model = build_drafter(cfg, weights, vmap, settings.seed, train_lm_head=settings.train_lm_head).to(device)
     head = TargetHead.from_weights(weights).to(device)
-    loader = BatchLoader(
-        store, train_samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
-        rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
-    )  # fmt: skip
     total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -371,12 +452,14 @@ def _prepare(
     if env.world_size > 1:
         device_ids = [device.index] if device.type == "cuda" else None
         step_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    n_train = len(loader.samples)
     return _Run(
         store=store, settings=settings, env=env, device=device, fmt=fmt, cfg=cfg, model=model, step_model=step_model,
         head=head, loader=loader, heldout=held, optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, total)),
         param_names=[n for n, _ in named], total_steps=total,
-        fingerprint=run_fingerprint(settings, shard_keys, len(train_samples), len(held), env.world_size, total),
+        fingerprint=run_fingerprint(settings, shard_keys, n_train, len(held), env.world_size, total),
+        window=window, ledger=[] if settings.sample_ledger else None,
     )  # fmt: skip
 
 
@@ -396,6 +479,11 @@ def _resume(run: _Run, log: LogFn) -> tuple[int, DataPosition, str, dict[str, fl
     pos = DataPosition(*ck.next_position)
     if run.env.is_main:
         log(f"drafter: resuming from {rel} (step {ck.step} of {run.total_steps}, epoch {pos.epoch} batch {pos.batch})")
+    if run.ledger is not None:
+        run.ledger = list(ck.state.get("ledger") or [])
+    if run.window is not None:
+        # A kill after a shard's last checkpoint may have left its record or its release undone.
+        run.window.reconcile(pos.epoch, run.loader.steps_before)
     return ck.step, pos, rel, dict(ck.state.get("metrics") or {})
 
 
@@ -413,22 +501,24 @@ def train_drafter(
     resume: bool = True,
     log_every: int = 10,
     data_workers: int = 2,
+    on_shard: ShardEventCallback | None = None,
 ) -> TrainResult:
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
     `on_metrics(step, metrics)` is called on rank 0 after every optimizer step (loss,
     loss_k, acc_k, lr, grad_norm, tokens, epoch, seconds). `max_steps` stops this call
     once the global step reaches it (a checkpoint is written there), e.g. to train in
-    time slices. `resume=False` ignores existing checkpoints.
+    time slices. `resume=False` ignores existing checkpoints. In rolling mode (`settings.mode`)
+    training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
+    0 when one starts training and when it is released.
     """
     env = DistEnv.from_environ()
-    require_complete_shards(store, shard_keys)
     device = pick_device(settings.device, env)
     owns_group = init_distributed(env, device)
     try:
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings,
-            intermediate_size=intermediate_size, data_workers=data_workers,
+            intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard,
         )  # fmt: skip
         step, pos, ckpt_rel, metrics = _resume(run, log) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None

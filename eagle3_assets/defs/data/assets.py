@@ -184,7 +184,14 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
             overlong=settings.overlong,
             unfinished=settings.unfinished_responses,
         )
-    nbytes = tset.save(store, metadata={"model": project.model_name, "max_seq_len": str(settings.max_seq_len)})
+    row_order = "responses"
+    if settings.training.mode == "rolling":
+        # Rolling mode trains shard after shard in a single pass: each shard must be a uniform slice.
+        tset, row_order = tset.shuffled(settings.training.seed), f"shuffled (seed {settings.training.seed})"
+    nbytes = tset.save(
+        store,
+        metadata={"model": project.model_name, "max_seq_len": str(settings.max_seq_len), "row_order": row_order},
+    )
     keys = [s.key for s in plan_shards(tset.num_rows, settings.shard_size)]
     stale = sync_shard_partitions(context.instance, keys)
     if stale:
@@ -203,6 +210,7 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
             "bytes": nbytes,
             "shards": len(keys),
             "shard_keys": MetadataValue.json(keys),
+            "row_order": row_order,
             "path": store.url_of(TOKENIZED_FILE),
         }
     )

@@ -1,0 +1,207 @@
+"""Rolling-window training data (`training.mode: rolling`): one pass over the shards, in key
+order, each trained as it lands and released once a checkpoint has learnt it.
+
+The whole pass is planned from the tokenized set before any shard exists: shard k's samples
+are its rows with their lengths from the tokenized offsets, and its batches are "epoch" k of
+a `BatchLoader` over that shard alone. So a `DataPosition(epoch=k, batch=b)` names one batch
+of the pass, the step count (and with it the learning-rate schedule) covers the whole run,
+and a checkpoint resumes at the exact batch. Held-out rows are drawn from the first shard
+(a uniform slice of the shuffled rows) and copied to `drafter/heldout/` before it is
+released. The records that make release safe are in `shard_window.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from eagle3_assets.crash_points import crash_point
+from eagle3_assets.drafter.checkpoint import checkpoint_rel
+from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError, DataPosition, SampleFormat, SampleRef
+from eagle3_assets.drafter.distributed import barrier
+from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.hidden_states.sample_file import manifest_path
+from eagle3_assets.shard_window import check_verdict, read_consumed_one, record_consumed, release
+from eagle3_assets.shards import Shard
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.tokenized import TokenizedSet
+
+HELDOUT_DIR = "drafter/heldout"
+
+LogFn = Callable[[str], None]
+
+
+class ShardFailedError(TrainingError):
+    """The next shard in the order failed its integrity check: training stops there until it is repaired."""
+
+
+class ShardWaitTimeout(TrainingError):
+    """The next shard did not pass its check within `training.shard_wait_s`."""
+
+    retryable = True
+
+
+@dataclass(frozen=True)
+class RollingPlan:
+    keys: tuple[str, ...]  # training order
+    train: tuple[tuple[SampleRef, ...], ...]  # per shard, in row order
+    heldout: tuple[SampleRef, ...]  # rows of the first shard, read from HELDOUT_DIR
+
+    @classmethod
+    def from_tokenized(cls, tset: TokenizedSet, keys: Sequence[str], *, heldout_rows: int, seed: int) -> RollingPlan:
+        if not keys:
+            raise DataError("no hidden-state shards given: nothing to train on")
+        shards = [Shard.parse(k) for k in keys]
+        train = [[SampleRef(s.key, r, tset.row_length(r)) for r in s.rows] for s in shards]
+        first = train[0]
+        if heldout_rows >= len(first):
+            raise DataError(
+                f"heldout_rows={heldout_rows}: in rolling mode held-out rows come from the first shard "
+                f"({shards[0].key}, {len(first)} rows); lower training.heldout_rows or raise shard_size"
+            )
+        pick = set(np.random.default_rng([seed, 0x4E1D]).permutation(len(first))[:heldout_rows].tolist())
+        held = tuple(SampleRef(r.shard, r.row, r.length, copied_to=HELDOUT_DIR) for i, r in enumerate(first) if i in pick)
+        train[0] = [r for i, r in enumerate(first) if i not in pick]
+        return cls(tuple(keys), tuple(tuple(t) for t in train), held)
+
+
+class RollingLoader:
+    """The pass's batches for one rank, shard after shard; waits at each shard until it may be read.
+
+    Offers what the training loop uses of `BatchLoader` (iterate, steps_in_epoch,
+    position_after, total_steps, samples), an epoch being a shard.
+    """
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        plan: RollingPlan,
+        *,
+        batch_tokens: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        order: BatchOrder,
+        workers: int,
+        wait_for: Callable[[int], None],
+    ):
+        self.plan = plan
+        self.loaders = [
+            BatchLoader(
+                store, refs, batch_tokens=batch_tokens, seed=seed, rank=rank, world_size=world_size, order=order,
+                workers=workers,
+            )  # fmt: skip
+            for refs in plan.train
+        ]
+        self.wait_for = wait_for
+
+    @property
+    def samples(self) -> list[SampleRef]:
+        return [r for refs in self.plan.train for r in refs]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.loaders[epoch].steps_in_epoch(epoch) if epoch < len(self.loaders) else 0
+
+    def steps_before(self, shard: int) -> int:
+        return sum(self.steps_in_epoch(k) for k in range(shard))
+
+    def total_steps(self, epochs: float = 1.0) -> int:
+        return max(1, self.steps_before(len(self.loaders)))
+
+    def position_after(self, pos: DataPosition) -> DataPosition:
+        nxt = DataPosition(pos.epoch, pos.batch + 1)
+        return nxt if nxt.batch < self.steps_in_epoch(pos.epoch) else DataPosition(pos.epoch + 1, 0)
+
+    def ends_shard(self, pos: DataPosition) -> bool:
+        return self.position_after(pos).epoch != pos.epoch
+
+    def iterate(self, start: DataPosition = DataPosition()) -> Iterator[tuple[DataPosition, Batch]]:
+        for k in range(start.epoch, len(self.loaders)):
+            self.wait_for(k)
+            first = DataPosition(k, start.batch if k == start.epoch else 0)
+            # One shard at a time: nothing of shard k+1 is read before shard k is trained, so a window of one
+            # shard never waits on itself.
+            yield from self.loaders[k].iterate(first, one_epoch=True)
+
+
+def manifest_format(store: ArtifactStore, key: str) -> SampleFormat:
+    m = store.read_json(manifest_path(key))
+    return SampleFormat(int(m["hidden_size"]), tuple(m["aux_layer_ids"]), str(m.get("model") or ""), str(m["dtype"]))
+
+
+@dataclass
+class ShardWindow:
+    """The trainer's side of the window: wait for a shard, and record and release it once learnt."""
+
+    store: ArtifactStore
+    plan: RollingPlan
+    is_main: bool
+    poll_s: float
+    wait_s: float
+    log: LogFn
+    on_event: Callable[[dict], None] | None = None
+
+    def wait_for(self, k: int) -> SampleFormat:
+        """Block until shard k passed its check (or was consumed already); its format from the manifest."""
+        key = self.plan.keys[k]
+        start = time.monotonic()
+        next_note = 0.0
+        while True:
+            if read_consumed_one(self.store, key) is not None:
+                return manifest_format(self.store, key)
+            verdict = check_verdict(self.store, key)
+            if verdict == "passed":
+                return manifest_format(self.store, key)
+            if verdict == "failed":
+                raise ShardFailedError(
+                    f"shard {key} (#{k + 1} of {len(self.plan.keys)} in training order) failed its integrity check: "
+                    "training stops at it, and no later shard is trained before it. Repair it (the `verify_shards` "
+                    "job names the bad files; materialize the shard again), then materialize `drafter`"
+                )
+            waited = time.monotonic() - start
+            if waited > self.wait_s:
+                raise ShardWaitTimeout(
+                    f"shard {key} (#{k + 1} of {len(self.plan.keys)}) has not passed its integrity check after "
+                    f"{waited:.0f} s (training.shard_wait_s={self.wait_s:g}); is extraction running? The next run "
+                    "resumes from the newest checkpoint"
+                )
+            if self.is_main and waited >= next_note:
+                state = "extracted, awaiting its check" if self.store.exists(manifest_path(key)) else "not extracted yet"
+                self.log(f"drafter: waiting for shard {key} (#{k + 1} of {len(self.plan.keys)}): {state}")
+                next_note = waited + 60.0
+            time.sleep(self.poll_s)
+
+    def started(self, k: int) -> None:
+        if self.is_main and self.on_event is not None:
+            self.on_event({"shard": self.plan.keys[k], "state": "training"})
+
+    def consumed(self, k: int, step: int) -> None:
+        """Shard k's last batch was step `step`, and checkpoint step_<step> is published: record, then release."""
+        if self.is_main:
+            key = self.plan.keys[k]
+            if k == 0:
+                self._keep_heldout()
+            record = record_consumed(self.store, key, step=step, checkpoint=checkpoint_rel(step))
+            crash_point(f"recorded:{key}")
+            done = release(self.store, record)
+            crash_point(f"released:{key}")
+            self.log(f"drafter: shard {key} consumed at step {step}; released {done.bytes_released:,} bytes")
+            if self.on_event is not None:
+                self.on_event({"shard": key, "state": "released", "step": step, "bytes_released": done.bytes_released})
+        barrier()
+
+    def reconcile(self, next_shard: int, steps_before: Callable[[int], int]) -> None:
+        """After a resume: every shard before `next_shard` is learnt by the checkpoint; finish its record and release."""
+        for k in range(next_shard):
+            record = read_consumed_one(self.store, self.plan.keys[k])
+            if record is None or not record.released:
+                self.consumed(k, steps_before(k + 1))
+
+    def _keep_heldout(self) -> None:
+        for ref in self.plan.heldout:
+            if not self.store.exists(ref.rel):
+                self.store.write_bytes(ref.rel, self.store.read_bytes(SampleRef(ref.shard, ref.row, ref.length).rel))
+

@@ -1,0 +1,171 @@
+"""The rolling window of hidden-state shards (`training.mode: rolling`), kept in the store.
+
+Training reads shards in key order (the tokenized rows are shuffled in rolling mode, so
+each shard is a uniform slice of them) and extraction runs at most `window_shards`
+shards ahead of it. Two records, each written atomically, decide what may be extracted,
+trained and deleted, so any fsspec store (a shared volume, object storage) carries the
+window between machines:
+
+  hidden_states/<key>/_CHECK.json   the shard's integrity verdict, tied to the manifest it
+                                    judged (a re-extracted shard is unchecked until its
+                                    check runs again); written by the blocking check
+  drafter/window/<key>.json         the shard was trained through step s, and checkpoint
+                                    step_s holds it; written by the trainer after that
+                                    checkpoint, marked released once the files are gone
+
+For shard k the order is always: manifest, check record (passed), trained, checkpoint,
+consumed record, sample files deleted, record marked released. A record never exists
+without its checkpoint, and no sample file is deleted without a record: a kill between
+any two steps leaves a state the trainer's next run completes (`Window.reconcile`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from eagle3_assets.hidden_states.sample_file import manifest_path, sample_row, shard_dir
+from eagle3_assets.storage import ArtifactStore
+
+CHECK_RECORD_NAME = "_CHECK.json"
+WINDOW_DIR = "drafter/window"
+
+Verdict = Literal["passed", "failed", "unchecked"]
+
+
+def check_record_path(key: str) -> str:
+    return f"{shard_dir(key)}/{CHECK_RECORD_NAME}"
+
+
+def _manifest_digest(store: ArtifactStore, key: str) -> str | None:
+    if not store.exists(manifest_path(key)):
+        return None
+    return hashlib.sha256(store.read_bytes(manifest_path(key))).hexdigest()
+
+
+def write_check_record(store: ArtifactStore, key: str, *, passed: bool, problems: int) -> None:
+    """Record the check's verdict on the shard as its manifest now stands."""
+    store.write_json(
+        check_record_path(key),
+        {"passed": passed, "problems": problems, "manifest_sha256": _manifest_digest(store, key)},
+    )
+
+
+def check_verdict(store: ArtifactStore, key: str) -> Verdict:
+    """The recorded verdict on the shard's current manifest; `unchecked` when there is none for it."""
+    if not store.exists(check_record_path(key)):
+        return "unchecked"
+    record = store.read_json(check_record_path(key))
+    digest = _manifest_digest(store, key)
+    if digest is None or record.get("manifest_sha256") != digest:
+        return "unchecked"
+    return "passed" if record.get("passed") else "failed"
+
+
+@dataclass(frozen=True)
+class ConsumedShard:
+    """Shard `shard` was trained through optimizer step `step`, held by checkpoint `checkpoint`."""
+
+    shard: str
+    step: int
+    checkpoint: str
+    released: bool = False  # its sample files are deleted
+    bytes_released: int = 0
+
+
+def consumed_path(key: str) -> str:
+    return f"{WINDOW_DIR}/{key}.json"
+
+
+def read_consumed(store: ArtifactStore) -> dict[str, ConsumedShard]:
+    """Every consumed record in the store, by shard key."""
+    out = {}
+    for name in store.listdir(WINDOW_DIR):
+        if name.endswith(".json"):
+            record = ConsumedShard(**store.read_json(f"{WINDOW_DIR}/{name}"))
+            out[record.shard] = record
+    return out
+
+
+def read_consumed_one(store: ArtifactStore, key: str) -> ConsumedShard | None:
+    if not store.exists(consumed_path(key)):
+        return None
+    return ConsumedShard(**store.read_json(consumed_path(key)))
+
+
+def record_consumed(store: ArtifactStore, key: str, *, step: int, checkpoint: str) -> ConsumedShard:
+    """Record that `checkpoint` (already published) has learnt shard `key`; keeps an existing release."""
+    old = read_consumed_one(store, key)
+    if old is not None and old.step == step:
+        return old
+    record = ConsumedShard(key, step, checkpoint)
+    store.write_json(consumed_path(key), asdict(record))
+    return record
+
+
+def sample_files(store: ArtifactStore, key: str) -> list[str]:
+    """The shard's sample files (store-relative) still on disk."""
+    return [f"{shard_dir(key)}/{n}" for n in store.listdir(shard_dir(key)) if sample_row(n) is not None]
+
+
+def release(store: ArtifactStore, record: ConsumedShard) -> ConsumedShard:
+    """Delete the consumed shard's sample files (its manifest and check record stay), then mark it released."""
+    if record.released:
+        return record
+    files = sample_files(store, record.shard)
+    freed = sum(store.size(f) for f in files)
+    for f in files:
+        store.remove(f)
+    released = ConsumedShard(record.shard, record.step, record.checkpoint, True, freed)
+    store.write_json(consumed_path(record.shard), asdict(released))
+    return released
+
+
+def shard_bytes_on_disk(store: ArtifactStore, key: str) -> int:
+    return sum(store.size(f) for f in sample_files(store, key))
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which shards extraction may work on: the `size` shards after the consumed prefix of `keys`."""
+
+    keys: tuple[str, ...]  # every shard, in training order
+    consumed: dict[str, ConsumedShard]
+    size: int
+
+    @classmethod
+    def read(cls, store: ArtifactStore, keys: Sequence[str], size: int) -> Window:
+        return cls(tuple(keys), read_consumed(store), size)
+
+    @property
+    def consumed_count(self) -> int:
+        """Shards consumed from the start of the order (training consumes them in order)."""
+        n = 0
+        while n < len(self.keys) and self.keys[n] in self.consumed:
+            n += 1
+        return n
+
+    def admitted(self) -> list[str]:
+        """The shards extraction may write now."""
+        n = self.consumed_count
+        return list(self.keys[n : n + self.size])
+
+    def refusal(self, key: str) -> str | None:
+        """Why shard `key` may not be extracted now, or None."""
+        if key in self.consumed:
+            c = self.consumed[key]
+            state = "released" if c.released else "being released"
+            return (
+                f"shard {key} was trained (consumed at step {c.step}, {c.checkpoint}) and {state}: extracting it "
+                "again would train nothing. To train from scratch, remove drafter/ from the store first"
+            )
+        if key not in self.admitted():
+            return (
+                f"shard {key} is outside the rolling window: training.window_shards={self.size} shards may be on "
+                f"disk ahead of training, and the window now holds {self.admitted()}. It is admitted once training "
+                "has consumed the shards before it (materialize `drafter`)"
+            )
+        return None
+

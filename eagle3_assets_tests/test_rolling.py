@@ -1,0 +1,280 @@
+"""Rolling-window training (`training.mode: rolling`): shards trained as they land on a store that
+cannot hold them all, released only after a checkpoint has learnt them, and exactly once through
+a kill anywhere, proved with the per-sample ledger the checkpoints carry."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors.torch import load_file
+
+from eagle3_assets.crash_points import CRASH_ENV
+from eagle3_assets.drafter.checkpoint import list_checkpoints, read_checkpoint_state
+from eagle3_assets.drafter.rolling import HELDOUT_DIR, RollingPlan
+from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.hidden_states.hf_extractor import HFExtractor
+from eagle3_assets.hidden_states.integrity import check_shard
+from eagle3_assets.hidden_states.sample_file import manifest_path
+from eagle3_assets.hidden_states.shard import extract_shard
+from eagle3_assets.settings import ExtractionSettings, TrainingSettings
+from eagle3_assets.shard_window import Window, read_consumed, sample_files, write_check_record
+from eagle3_assets.shards import Shard, plan_shards
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.tokenized import TokenizedSet
+
+from .helpers import AUX_IDS, greedy_vocab_map, random_rows, target_of, tiny_llama
+
+pytestmark = pytest.mark.slow  # trains drafters
+
+ROWS, SHARD_ROWS = 48, 6  # eight shards
+EXTRACTION = ExtractionSettings(batch_tokens=256, storage_dtype="float32")
+ROLLING = TrainingSettings(
+    mode="rolling", window_shards=2, ttt_steps=3, lr=3e-3, warmup_steps=2, batch_tokens=24, checkpoint_every=3,
+    heldout_rows=2, seed=0, sample_ledger=True,
+)  # fmt: skip
+
+
+class CappedFileSystem(LocalFileSystem):
+    """A local filesystem that refuses (ENOSPC) to open a file for writing under `hidden_states/` once the
+    sample files there hold `cap` bytes: a disk that fits about three shards."""
+
+    protocol = "capped"
+    cap = 0
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode and "/hidden_states/" in str(path):
+            root = str(path).split("/hidden_states/")[0] + "/hidden_states"
+            used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+            if used >= type(self).cap:
+                raise OSError(errno.ENOSPC, f"capped store: {used} bytes of hidden states, the cap is {self.cap}", path)
+        return super()._open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("capped", CappedFileSystem, clobber=True)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny target, 48 rows in eight 6-row shards, their tokenized set and a vocab map."""
+    root = tmp_path_factory.mktemp("rolling")
+    model = tiny_llama(root / "target")
+    rows = random_rows(ROWS, seed=3, min_len=8, max_len=16)
+    keys = [s.key for s in plan_shards(ROWS, SHARD_ROWS)]
+    return root, model, rows, keys, greedy_vocab_map(model, rows)
+
+
+def new_store(world, url: str) -> ArtifactStore:
+    _, _, rows, _, _ = world
+    store = ArtifactStore(url)
+    TokenizedSet.from_rows(rows, list(range(ROWS))).save(store)
+    return store
+
+
+def check(store: ArtifactStore, tset: TokenizedSet, key: str) -> None:
+    """The blocking check, as the `shard_integrity` asset check runs it, and its record."""
+    report = check_shard(
+        store, tset, Shard.parse(key), hidden_size=64, aux_layer_ids=AUX_IDS, dtype="float32", model="tiny-llama"
+    )
+    assert report.ok, report.summary()
+    write_check_record(store, key, passed=True, problems=0)
+
+
+def hidden_state_bytes(store: ArtifactStore, keys: list[str]) -> int:
+    return sum(store.size(f) for k in keys for f in sample_files(store, k))
+
+
+def test_rolling_window_trains_eight_shards_on_a_store_capped_at_three(world, tmp_path):
+    root, _, _, keys, vmap = world
+    target = target_of(root / "target")
+    extraction = EXTRACTION
+    extractor = HFExtractor(target, batch_tokens=256, device="cpu")
+
+    # Each shard's bytes, measured on a scratch store, size the cap: the three largest shards.
+    scratch = new_store(world, str(tmp_path / "scratch"))
+    tset = TokenizedSet.load(scratch)
+    for key in keys:
+        extract_shard(scratch, tset, Shard.parse(key), extractor, extraction, model_name="tiny-llama")
+    sizes = [hidden_state_bytes(scratch, [k]) for k in keys]
+    CappedFileSystem.cap = sum(sorted(sizes)[-3:])
+    assert CappedFileSystem.cap < sum(sizes) / 2
+
+    # The cap is real: extracting everything up front fails halfway.
+    full = new_store(world, f"capped://{tmp_path / 'up-front'}")
+    with pytest.raises(Exception, match="cannot write") as refused:
+        for key in keys:
+            extract_shard(full, tset, Shard.parse(key), extractor, extraction, model_name="tiny-llama")
+    assert any(k in str(refused.value) for k in keys[3:6]), str(refused.value)
+
+    store = new_store(world, f"capped://{tmp_path / 'rolling'}")
+    events: list[dict] = []
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = train_drafter(
+                store, keys, vmap=vmap, target=target, settings=ROLLING, log=lambda _: None, on_shard=events.append
+            )
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            outcome["error"] = e
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    peak, extracted = 0, []
+    deadline = time.monotonic() + 600
+    # The extraction side, as the backfill automation drives it: only shards the window admits.
+    while trainer.is_alive() and time.monotonic() < deadline:
+        for key in Window.read(store, keys, ROLLING.window_shards).admitted():
+            if not store.exists(manifest_path(key)):
+                extract_shard(store, tset, Shard.parse(key), extractor, extraction, model_name="tiny-llama")
+                check(store, tset, key)
+                extracted.append(key)
+                peak = max(peak, hidden_state_bytes(store, keys))
+        time.sleep(0.05)
+    trainer.join(timeout=60)
+
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["result"]
+    assert result.finished and result.step == result.total_steps
+    assert extracted == keys  # in training order, each once
+    # At most W complete shards on disk (measured after each shard is written): the cap was never reached.
+    assert peak <= max(a + b for a, b in zip(sizes, sizes[1:], strict=False)) < CappedFileSystem.cap
+    consumed = read_consumed(store)
+    assert sorted(consumed) == sorted(keys) and all(c.released for c in consumed.values())
+    assert [c.step for c in sorted(consumed.values(), key=lambda c: keys.index(c.shard))] == sorted(
+        c.step for c in consumed.values()
+    )
+    assert consumed[keys[-1]].step == result.total_steps
+    assert hidden_state_bytes(store, keys) == 0  # every shard released; its manifest and check record stay
+    assert all(store.exists(manifest_path(k)) for k in keys)
+    assert sorted(os.listdir(tmp_path / "rolling" / HELDOUT_DIR)) == sorted(
+        f"{r.row}.safetensors" for r in RollingPlan.from_tokenized(tset, keys, heldout_rows=2, seed=0).heldout
+    )
+    assert [(e["shard"], e["state"]) for e in events] == [(k, s) for k in keys for s in ("training", "released")]
+    assert set(result.heldout) >= {"loss", "acc_0"}
+
+
+RUN = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, torch
+    from eagle3_assets.drafter.train import train_drafter
+    from eagle3_assets.settings import TrainingSettings
+    from eagle3_assets.storage import ArtifactStore
+    from eagle3_assets.target import TargetModel
+    from eagle3_assets.vocab_map import VocabMap
+
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(2)
+    r = train_drafter(
+        ArtifactStore(args["store"]), args["keys"], vmap=VocabMap(np.array(args["d2t"]), np.array(args["t2d"])),
+        target=TargetModel.read(args["target"], aux_layer_ids=[1, 2, 3]), settings=TrainingSettings(**args["settings"]),
+        log=lambda _: None,
+    )
+    print(json.dumps({"step": r.step, "total": r.total_steps, "resumed_from": r.resumed_from}))
+    """
+)
+
+
+def run_trainer(world, tmp_path: Path, store_dir: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    root, _, _, keys, vmap = world
+    script = tmp_path / "rolling_run.py"
+    script.write_text(RUN)
+    args = {
+        "store": str(store_dir), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
+        "target": str(root / "target"), "settings": ROLLING.model_dump(),
+    }  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV} | ({CRASH_ENV: crash_at} if crash_at else {})
+    return subprocess.run(
+        [sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def extracted(world, tmp_path_factory):
+    """All eight shards written and checked (the trainer's side is what these tests kill)."""
+    root, _, _, keys, _ = world
+    out = tmp_path_factory.mktemp("extracted")
+    store = new_store(world, str(out))
+    tset = TokenizedSet.load(store)
+    extractor = HFExtractor(target_of(root / "target"), batch_tokens=256, device="cpu")
+    for key in keys:
+        extract_shard(store, tset, Shard.parse(key), extractor, EXTRACTION, model_name="tiny-llama")
+        check(store, tset, key)
+    return out
+
+
+def assert_release_invariants(store: ArtifactStore, keys: list[str]) -> None:
+    """A shard is never deleted without its record; a record never exists without its checkpoint."""
+    consumed = read_consumed(store)
+    newest = max(list_checkpoints(store), default=0)
+    for k, key in enumerate(keys):
+        if len(sample_files(store, key)) < SHARD_ROWS:
+            assert key in consumed, f"{key} lost files without a consumed record"
+    for record in consumed.values():
+        assert record.step <= newest, f"{record.shard} recorded at step {record.step}, newest checkpoint {newest}"
+
+
+def final_ledger(store_dir: Path) -> tuple[list[list], dict[str, torch.Tensor]]:
+    store = ArtifactStore(store_dir)
+    newest = list_checkpoints(store)[-1]
+    rel = f"drafter/checkpoints/step_{newest}"
+    return read_checkpoint_state(store, rel).state["ledger"], load_file(str(store_dir / rel / "model.safetensors"))
+
+
+def test_every_sample_is_trained_exactly_once_through_kills_anywhere(world, extracted, tmp_path):
+    import shutil
+
+    _, _, _, keys, _ = world
+    clean_dir, killed_dir = tmp_path / "clean", tmp_path / "killed"
+    shutil.copytree(extracted, clean_dir)
+    shutil.copytree(extracted, killed_dir)
+
+    clean = run_trainer(world, tmp_path, clean_dir)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    total = json.loads(clean.stdout.strip().splitlines()[-1])["total"]
+
+    bounds = {c.shard: c.step for c in read_consumed(ArtifactStore(clean_dir)).values()}
+    # Mid-shard: a step inside the second shard, past a periodic checkpoint, so the rerun resumes inside it.
+    mid = next(
+        s for s in range(bounds[keys[0]] + 2, bounds[keys[1]]) if (s - 1) % ROLLING.checkpoint_every == 0
+    )
+    store = ArtifactStore(killed_dir)
+    # Then between the second shard's last checkpoint and its record, and between the third's record and
+    # its deletion.
+    for crash in (f"step:{mid}", f"checkpointed:{keys[1]}", f"recorded:{keys[2]}"):
+        proc = run_trainer(world, tmp_path, killed_dir, crash_at=crash)
+        assert proc.returncode == -9, (crash, proc.returncode, proc.stderr[-2000:])
+        assert_release_invariants(store, keys)
+    consumed = read_consumed(store)
+    assert keys[2] in consumed and not consumed[keys[2]].released  # killed between record and delete
+    assert len(sample_files(store, keys[2])) == SHARD_ROWS
+
+    done = run_trainer(world, tmp_path, killed_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["step"] == out["total"] == total and out["resumed_from"] is not None
+    assert all(c.released for c in read_consumed(store).values()) and len(read_consumed(store)) == len(keys)
+
+    ledger, weights = final_ledger(killed_dir)
+    clean_ledger, clean_weights = final_ledger(clean_dir)
+    assert [s for s, _ in ledger] == list(range(1, total + 1))  # every step once, in order
+    trained = Counter(r for _, rows in ledger for r in rows)
+    tset = TokenizedSet.load(store)
+    held = {r.row for r in RollingPlan.from_tokenized(tset, keys, heldout_rows=2, seed=0).heldout}
+    assert trained == Counter(r for r in range(ROWS) if r not in held)  # each training sample exactly once
+    assert ledger == clean_ledger  # the same batches at the same steps as a run never killed
+    for name, t in clean_weights.items():
+        torch.testing.assert_close(weights[name], t, rtol=0, atol=1e-6, msg=name)
