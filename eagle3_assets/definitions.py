@@ -24,14 +24,16 @@ from eagle3_assets.defs.ops.runs import pool_limit
 from eagle3_assets.defs.ops.sensors import dead_runs_sensor, run_failure_alert_sensor, shard_stall_sensor
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.assets import hidden_states_asset
-from eagle3_assets.defs.shards.automation import shard_backfill_condition
+from eagle3_assets.defs.shards.automation import rolling_shard_backfill_condition, shard_backfill_condition
 from eagle3_assets.project import Project
 
 
 def build_definitions(project: Project) -> Definitions:
     settings = project.settings
+    rolling = settings.training.mode == "rolling"
+    cron = settings.extraction.backfill_cron
     hidden_states = hidden_states_asset(settings.extraction).with_attributes(
-        automation_condition=shard_backfill_condition(settings.extraction.backfill_cron)
+        automation_condition=rolling_shard_backfill_condition(cron, project) if rolling else shard_backfill_condition(cron)
     )
     assets = [
         data.prompts,
@@ -59,7 +61,10 @@ def build_definitions(project: Project) -> Definitions:
                 target=AssetSelection.assets(hidden_states),
                 default_status=DefaultSensorStatus.RUNNING,
                 minimum_interval_seconds=60,
-                description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule.",
+                description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule"
+                + (", within the rolling window." if rolling else "."),
+                # The window is read from the store: a condition the daemon alone cannot evaluate.
+                use_user_code_server=rolling,
             ),
             dead_runs_sensor,
             shard_stall_sensor,

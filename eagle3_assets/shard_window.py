@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Literal
 
-from eagle3_assets.hidden_states.sample_file import manifest_path, sample_row, shard_dir
+from eagle3_assets.hidden_states.sample_file import check_record_path, manifest_path, sample_row, shard_dir
 from eagle3_assets.storage import ArtifactStore
 
-CHECK_RECORD_NAME = "_CHECK.json"
 WINDOW_DIR = "drafter/window"
 
 Verdict = Literal["passed", "failed", "unchecked"]
-
-
-def check_record_path(key: str) -> str:
-    return f"{shard_dir(key)}/{CHECK_RECORD_NAME}"
 
 
 def _manifest_digest(store: ArtifactStore, key: str) -> str | None:
@@ -73,6 +69,7 @@ class ConsumedShard:
     checkpoint: str
     released: bool = False  # its sample files are deleted
     bytes_released: int = 0
+    at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))  # when recorded
 
 
 def consumed_path(key: str) -> str:
@@ -118,7 +115,7 @@ def release(store: ArtifactStore, record: ConsumedShard) -> ConsumedShard:
     freed = sum(store.size(f) for f in files)
     for f in files:
         store.remove(f)
-    released = ConsumedShard(record.shard, record.step, record.checkpoint, True, freed)
+    released = ConsumedShard(record.shard, record.step, record.checkpoint, True, freed, record.at)
     store.write_json(consumed_path(record.shard), asdict(released))
     return released
 
@@ -169,3 +166,70 @@ class Window:
             )
         return None
 
+
+
+ShardState = Literal["missing", "extracted", "check failed", "checked", "consumed", "released"]
+
+
+@dataclass(frozen=True)
+class WindowStatus:
+    """Where a rolling run stands, from the store alone: what the UI and the logs report."""
+
+    states: dict[str, ShardState]  # every shard, in training order
+    consumed_at: dict[str, int]  # step that learnt each consumed shard
+    bytes_on_disk: int  # hidden states of shards not yet released (from their manifests)
+    window_bytes: int  # what `size` shards of the mean extracted size take
+    eta_s: float | None  # until the last shard is consumed, at the slower of the two measured rates
+
+    def as_metadata(self) -> dict[str, float | int]:
+        counts = {state: list(self.states.values()).count(state) for state in ("released", "consumed", "checked")}
+        return {
+            "shards_total": len(self.states),
+            "shards_consumed": counts["released"] + counts["consumed"],
+            "shards_on_disk": sum(s in ("extracted", "checked", "check failed", "consumed") for s in self.states.values()),
+            "hidden_state_bytes_on_disk": self.bytes_on_disk,
+            "window_bytes": self.window_bytes,
+            **({"eta_s": round(self.eta_s, 1)} if self.eta_s is not None else {}),
+        }
+
+
+def _rate(times: list[datetime]) -> float | None:
+    """Events per second over the span of `times` (None before two of them)."""
+    if len(times) < 2:
+        return None
+    span = (max(times) - min(times)).total_seconds()
+    return (len(times) - 1) / span if span > 0 else None
+
+
+def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> WindowStatus:
+    consumed = read_consumed(store)
+    states: dict[str, ShardState] = {}
+    manifests: dict[str, dict] = {}
+    for key in keys:
+        if key in consumed:
+            states[key] = "released" if consumed[key].released else "consumed"
+        elif not store.exists(manifest_path(key)):
+            states[key] = "missing"
+        else:
+            verdict = check_verdict(store, key)
+            states[key] = {"passed": "checked", "failed": "check failed", "unchecked": "extracted"}[verdict]
+        if store.exists(manifest_path(key)):
+            manifests[key] = store.read_json(manifest_path(key))
+    sizes = [int(m.get("bytes", 0)) for m in manifests.values()]
+    on_disk = sum(int(manifests[k].get("bytes", 0)) for k, st in states.items() if st != "released" and k in manifests)
+    extracted_at = [datetime.fromisoformat(m["created"]) for m in manifests.values() if "created" in m]
+    trained_at = [datetime.fromisoformat(c.at) for c in consumed.values()]
+    extract_rate, train_rate = _rate(extracted_at), _rate(trained_at)
+    eta = None
+    if train_rate:
+        to_train = sum(st not in ("consumed", "released") for st in states.values()) / train_rate
+        to_extract = sum(st == "missing" for st in states.values()) / extract_rate if extract_rate else 0.0
+        # The pass ends when the slower side does: the last shard is extracted, then trained.
+        eta = max(to_train, to_extract + 1 / train_rate) if to_train else 0.0
+    return WindowStatus(
+        states=states,
+        consumed_at={k: c.step for k, c in consumed.items()},
+        bytes_on_disk=on_disk,
+        window_bytes=size * (sum(sizes) // len(sizes)) if sizes else 0,
+        eta_s=eta,
+    )

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eagle3_assets.hidden_states.sample_file import (
+    CHECK_RECORD_NAME,
     MANIFEST_NAME,
     READABLE_FORMATS,
     MISSING,
@@ -169,7 +170,7 @@ def check_shard(
     statuses = inspect_rows(store, tokenized, shard, spec)
     problems = {f"{shard.key}/{s.row}{SAMPLE_SUFFIX}": s.problem for s in statuses if s.problem is not None}
 
-    expected_names = {f"{r}{SAMPLE_SUFFIX}" for r in shard.rows} | {MANIFEST_NAME}
+    expected_names = {f"{r}{SAMPLE_SUFFIX}" for r in shard.rows} | {MANIFEST_NAME, CHECK_RECORD_NAME}
     for name in store.listdir(shard_dir(shard.key)):
         if name not in expected_names:
             problems[f"{shard.key}/{name}"] = "unexpected file (not a row of this shard)"

@@ -41,6 +41,7 @@ FORMAT = "eagle3-hidden-states/2"
 READABLE_FORMATS = ("eagle3-hidden-states/1", FORMAT)
 HIDDEN_STATES_DIR = "hidden_states"
 MANIFEST_NAME = "_SUCCESS.json"
+CHECK_RECORD_NAME = "_CHECK.json"  # the integrity check's verdict on the manifest (shard_window.py)
 SAMPLE_SUFFIX = ".safetensors"
 MISSING = "missing"
 
@@ -77,6 +78,10 @@ def sample_path(key: str, row: int) -> str:
 
 def manifest_path(key: str) -> str:
     return f"{shard_dir(key)}/{MANIFEST_NAME}"
+
+
+def check_record_path(key: str) -> str:
+    return f"{shard_dir(key)}/{CHECK_RECORD_NAME}"
 
 
 def sample_row(name: str) -> int | None:

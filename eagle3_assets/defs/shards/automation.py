@@ -1,17 +1,53 @@
-"""Scheduled backfill of missing shards.
+"""Scheduled backfill of missing shards, within the rolling window when training rolls.
 
 `on_missing()`/`eager()` never retry a shard that failed or was never requested, so
 at each cron tick request every shard that is missing or whose last run failed,
-unless it is running or its inputs are missing (docs/DESIGN.md §7).
+unless it is running or its inputs are missing (docs/DESIGN.md §7). In rolling mode
+(`training.mode: rolling`) only the shards the window admits are requested: extraction
+never runs more than `training.window_shards` shards ahead of training. The window is
+read from the store, so that condition runs in the code location (`InRollingWindow`).
 """
 
-from dagster import AutomationCondition
+from __future__ import annotations
+
+from dagster import AutomationCondition, AutomationContext, AutomationResult
+
+from eagle3_assets.defs.partitions import registered_shard_keys
+from eagle3_assets.project import Project
+from eagle3_assets.shard_window import Window
+
+
+class InRollingWindow(AutomationCondition):
+    """True for the shards the rolling window admits now (`shard_window.Window.admitted`)."""
+
+    def __init__(self, project: Project):
+        self.project = project
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return f"admitted by the rolling window ({self.project.settings.training.window_shards} shards ahead of training)"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        keys = registered_shard_keys(context.asset_graph_view.instance)
+        window = Window.read(self.project.store, keys, self.project.settings.training.window_shards)
+        return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(set(window.admitted())))
 
 
 def shard_backfill_condition(cron: str) -> AutomationCondition:
+    return _missing_or_failed(cron).with_label(f"missing or failed shards, every tick of {cron}")
+
+
+def rolling_shard_backfill_condition(cron: str, project: Project) -> AutomationCondition:
+    return (_missing_or_failed(cron) & InRollingWindow(project)).with_label(
+        f"missing or failed shards in the rolling window, every tick of {cron}"
+    )
+
+
+def _missing_or_failed(cron: str) -> AutomationCondition:
     return (
         AutomationCondition.cron_tick_passed(cron)
         & (AutomationCondition.missing() | AutomationCondition.execution_failed())
         & ~AutomationCondition.in_progress()
         & ~AutomationCondition.any_deps_missing()
-    ).with_label(f"missing or failed shards, every tick of {cron}")
+    )

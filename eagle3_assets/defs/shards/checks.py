@@ -1,5 +1,11 @@
 """Integrity of hidden-state shards: every row has a file that loads, with the right keys, shapes,
-dtypes and tokens, finite and not all zero."""
+dtypes and tokens, finite and not all zero.
+
+Each verdict is also recorded in the store beside the manifest it judged (`shard_window.py`):
+rolling training, wherever it runs, trains a shard only on a passed record. A shard that rolling
+training consumed and released has no files left to check: it is reported as released, at the
+step that learnt it, never as bad.
+"""
 
 from collections.abc import Iterator
 
@@ -23,25 +29,41 @@ from eagle3_assets.defs.partitions import registered_shard_keys, shard_partition
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.hidden_states.integrity import ShardCheckReport, check_shards
 from eagle3_assets.project import Project
+from eagle3_assets.shard_window import ConsumedShard, read_consumed, write_check_record
 from eagle3_assets.shards import Shard
 from eagle3_assets.tokenized import TokenizedSet
 
 CHECK_NAME = "shard_integrity"
 
 
-def check_registered_shards(project: Project, keys: list[str]) -> list[ShardCheckReport]:
-    """Check shards against the tokenized set and the target's shape; nothing is re-extracted."""
+def check_registered_shards(project: Project, keys: list[str]) -> tuple[list[ShardCheckReport], dict[str, ConsumedShard]]:
+    """Check shards against the tokenized set and the target's shape, recording each verdict; nothing is
+    re-extracted. Returns the reports, and the shards skipped because training consumed them."""
+    store = project.store
+    consumed = {k: c for k, c in read_consumed(store).items() if k in keys}
     with failures():
         target = project.target()
-        return check_shards(
-            project.store,
-            TokenizedSet.load(project.store),
-            [Shard.parse(k) for k in keys],
+        reports = check_shards(
+            store,
+            TokenizedSet.load(store),
+            [Shard.parse(k) for k in keys if k not in consumed],
             hidden_size=target.hidden_size,
             aux_layer_ids=target.aux_layer_ids,
             dtype=project.settings.extraction.storage_dtype,
             model=project.model_name,
         )
+    for report in reports:
+        write_check_record(store, report.shard, passed=report.ok, problems=len(report.problems))
+    return reports, consumed
+
+
+def released_check_result(record: ConsumedShard) -> AssetCheckResult:
+    return AssetCheckResult(
+        passed=True,
+        severity=AssetCheckSeverity.ERROR,
+        metadata={"state": "released" if record.released else "consumed", "consumed_at_step": record.step},
+        description=f"trained through step {record.step} ({record.checkpoint}); its sample files are deleted",
+    )
 
 
 def _problems_md(reports: list[ShardCheckReport], limit: int = 50) -> str:
@@ -58,8 +80,10 @@ def _problems_md(reports: list[ShardCheckReport], limit: int = 50) -> str:
     description="Every row of the shard has a sound file; blocks the drafter on a bad shard.",
 )
 def shard_integrity(context: AssetCheckExecutionContext, project: ResourceParam[Project]) -> AssetCheckResult:
-    (report,) = check_registered_shards(project, [context.partition_key])
-    return shard_check_result(report)
+    reports, consumed = check_registered_shards(project, [context.partition_key])
+    if consumed:
+        return released_check_result(consumed[context.partition_key])
+    return shard_check_result(reports[0])
 
 
 def shard_check_result(report: ShardCheckReport) -> AssetCheckResult:
@@ -73,7 +97,13 @@ def shard_check_result(report: ShardCheckReport) -> AssetCheckResult:
 @op(description="Re-check every registered shard (nothing is re-extracted); each shard's check status is updated.")
 def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Project]) -> Iterator[AssetCheckEvaluation | Output]:
     keys = registered_shard_keys(context.instance)
-    reports = check_registered_shards(project, keys)
+    reports, consumed = check_registered_shards(project, keys)
+    for key, record in consumed.items():
+        result = released_check_result(record)
+        yield AssetCheckEvaluation(
+            asset_key=HIDDEN_STATES, check_name=CHECK_NAME, passed=True, metadata=result.metadata,
+            severity=AssetCheckSeverity.ERROR, partition=key, description=result.description,
+        )  # fmt: skip
     for report in reports:
         result = shard_check_result(report)
         # Yielded, not logged: logged events of an op are dropped when it then fails.
@@ -87,7 +117,10 @@ def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Projec
         )
     bad = [r for r in reports if not r.ok]
     rows = sum(r.rows_checked for r in reports)
-    context.log.info(f"verified {len(reports)} shards, {rows} rows; {len(bad)} bad")
+    context.log.info(
+        f"verified {len(reports)} shards, {rows} rows; {len(bad)} bad; {len(consumed)} released by training "
+        "(files deleted, not checked)"
+    )
     for report in bad:
         context.log.error(report.summary())
     if bad:
@@ -96,7 +129,7 @@ def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Projec
             metadata={"bad_files": MetadataValue.md(_problems_md(bad))},
             allow_retries=False,
         )
-    yield Output(None, metadata={"shards": len(reports), "rows": rows})
+    yield Output(None, metadata={"shards": len(reports), "rows": rows, "released": len(consumed)})
 
 
 @job(description="Run the shard integrity check over every shard without re-extracting anything.")
