@@ -43,7 +43,7 @@ def build_definitions(project: Project) -> Definitions:
         data.token_freq,
         data.vocab_map,
         hidden_states,
-        drafter.drafter,
+        drafter.drafter_asset(settings.training),
         drafter.drafter_eval,
     ]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
@@ -64,7 +64,7 @@ def build_definitions(project: Project) -> Definitions:
                 description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule"
                 + (", within the rolling window." if rolling else "."),
                 # The window is read from the store: a condition the daemon alone cannot evaluate.
-                use_user_code_server=rolling,
+                **({"use_user_code_server": True} if rolling else {}),
             ),
             dead_runs_sensor,
             shard_stall_sensor,

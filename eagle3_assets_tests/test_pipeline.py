@@ -13,10 +13,13 @@ from dagster import AssetKey, DagsterInstance, Definitions
 from dagster._core.test_utils import instance_for_test
 from safetensors.numpy import load as st_load
 
+from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
 from eagle3_assets.prompts import PROMPTS_FILE
 from eagle3_assets.responses import read_responses
+from eagle3_assets.settings import TrainingSettings
+from eagle3_assets.shard_window import read_consumed
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VOCAB_MAP_FILE
@@ -205,3 +208,70 @@ def test_a_target_without_a_chat_template_fails_naming_it(pipeline, tmp_path):
     result = run(build_definitions(broken), instance, ["target_model"])
     assert not result.success
     assert f"{model}: the tokenizer has no chat template" in result.failure_data_for_node("target_model").error.message
+
+
+def test_rolling_mode_trains_shards_as_they_land_in_any_order_a_person_tries(pipeline, tmp_path):
+    """Rolling mode by hand, W = 2 over three shards: a shard past the window is refused, the drafter
+    trains what has landed and fails retryably waiting for the rest, released shards read as released."""
+    project, _, _ = pipeline
+    root = tmp_path / "store"
+    shutil.copytree(project.store.local_path(""), root, ignore=shutil.ignore_patterns("hidden_states", "drafter"))
+    training = TrainingSettings(
+        mode="rolling", window_shards=2, shard_wait_s=1, batch_tokens=512, warmup_steps=2, checkpoint_every=5,
+        heldout_rows=4,
+    )  # fmt: skip
+    rolling = Project(tiny_settings(shard_size=15, training=training), ArtifactStore(root))
+    defs = build_definitions(rolling)
+    with instance_for_test() as instance:
+        assert run(defs, instance, ["tokenized", "token_freq", "vocab_map"]).success
+        keys = registered_shard_keys(instance)
+        assert keys == ["rows_0-15", "rows_15-30", "rows_30-45"]
+        assert latest_metadata(instance, "tokenized")["row_order"] == "shuffled (seed 0)"
+        for key in keys[:2]:
+            assert run(defs, instance, ["hidden_states"], key).success
+
+        ahead = run(defs, instance, ["hidden_states"], keys[2])
+        assert not ahead.success
+        assert (
+            "Failure: shard rows_30-45 is outside the rolling window: training.window_shards=2 shards may be on disk ahead "
+            "of training, and the window now holds ['rows_0-15', 'rows_15-30']"
+        ) in ahead.failure_data_for_node("hidden_states").error.message
+
+        waited = run(defs, instance, ["drafter"])
+        assert not waited.success
+        assert "shard rows_30-45 (#3 of 3) has not passed its integrity check" in (
+            waited.failure_data_for_node("drafter").error.message
+        )
+        consumed = read_consumed(rolling.store)
+        assert sorted(consumed) == keys[:2] and all(c.released for c in consumed.values())
+        assert not list((root / "hidden_states" / keys[0]).glob("*.safetensors"))
+        observed = instance.fetch_observations(AssetKey("hidden_states"), limit=100, ascending=True).records
+        states = [(r.partition_key, o.metadata["state"].value) for r in observed if "state" in (o := r.asset_observation).metadata]
+        assert states == [
+            ("rows_0-15", "training"), ("rows_15-30", "checked"), ("rows_30-45", "missing"),
+            ("rows_0-15", "released"), ("rows_15-30", "training"), ("rows_15-30", "released"),
+        ]  # fmt: skip
+
+        # A consumed shard is never extracted again; verify_shards reports it released, not bad.
+        again = run(defs, instance, ["hidden_states"], keys[0])
+        assert "shard rows_0-15 was trained (consumed at step" in again.failure_data_for_node("hidden_states").error.message
+        assert run(defs, instance, ["hidden_states"], keys[2]).success  # the window has room now
+        verified = defs.resolve_job_def("verify_shards").execute_in_process(instance=instance, raise_on_error=False)
+        assert verified.success
+        checks = {
+            e.event_specific_data.partition: e.event_specific_data.metadata["state"].value
+            for e in verified.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION" and "state" in e.event_specific_data.metadata
+        }
+        assert checks == {keys[0]: "released", keys[1]: "released"}
+
+        done = run(defs, instance, ["drafter"])
+        assert done.success
+        meta = latest_metadata(instance, "drafter")
+        assert meta["step"] == meta["total_steps"] and meta["resumed_from"] > 0
+        progress = instance.fetch_observations(AssetKey("drafter"), limit=1).records[0].asset_observation.metadata
+        assert {k: progress[k].value for k in ("shards_total", "shards_consumed", "shards_on_disk")} == {
+            "shards_total": 3, "shards_consumed": 3, "shards_on_disk": 0,
+        }  # fmt: skip
+        assert read_consumed(rolling.store)[keys[2]].step == meta["step"]
+        assert rolling.store.exists("drafter/export/config.json")

@@ -13,7 +13,7 @@ from typing import Any
 
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import export_drafter
-from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
+from eagle3_assets.drafter.train import LogFn, MetricsCallback, ShardEventCallback, TrainResult, train_drafter
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -36,13 +36,15 @@ def train_and_export(
     shard_keys: Sequence[str],
     *,
     on_metrics: MetricsCallback | None = None,
+    on_shard: ShardEventCallback | None = None,
     log: LogFn = print,
     max_steps: int | None = None,
 ) -> DrafterRun:
-    """Train on `shard_keys` (all of them complete: the caller guards that), then export once finished."""
+    """Train on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each as it
+    passes its check), then export once finished."""
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
-        on_metrics=on_metrics, log=log, max_steps=max_steps,
+        on_metrics=on_metrics, on_shard=on_shard, log=log, max_steps=max_steps,
     )  # fmt: skip
     summary = {
         "step": result.step,

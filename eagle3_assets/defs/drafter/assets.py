@@ -5,6 +5,8 @@ import json
 from dagster import (
     AssetCheckKey,
     AssetExecutionContext,
+    AssetKey,
+    AssetsDefinition,
     DagsterInstance,
     Failure,
     MaterializeResult,
@@ -14,8 +16,10 @@ from dagster import (
 )
 
 from eagle3_assets.defs.data.assets import target_model, vocab_map
+from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
 from eagle3_assets.defs.failures import failures
 from eagle3_assets.defs.observe import observe, to_metadata
+from eagle3_assets.defs.ops.runs import GPU_POOL, TRAINER_POOL
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
@@ -25,8 +29,10 @@ from eagle3_assets.drafter.run import train_and_export
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.project import Project
+from eagle3_assets.settings import TrainingSettings
 
 GROUP = "drafter"
+DRAFTER = AssetKey("drafter")
 SHARD_CHECK = AssetCheckKey(HIDDEN_STATES, CHECK_NAME)
 
 
@@ -43,37 +49,67 @@ def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]
     return bad
 
 
-@asset(group_name=GROUP, deps=[vocab_map, HIDDEN_STATES, target_model], pool="gpu", kinds={"pytorch"})
-def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported."""
-    store = project.store
-    keys = registered_shard_keys(context.instance)
-    if not keys:
-        raise Failure("no hidden-state shards are registered: materialize `tokenized` first", allow_retries=False)
-    bad = unusable_shards(context.instance, project, keys)
-    if bad:
-        listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
-        raise Failure(
-            f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})", allow_retries=False
-        )
-    with failures():
-        run = train_and_export(
-            store, project.target(), project.settings, keys,
-            on_metrics=lambda step, m: observe(context, {"step": step, **m}) if step % 10 == 0 else None,
-            log=context.log.info,
-        )  # fmt: skip
-    return MaterializeResult(
-        metadata={
-            **to_metadata(run.summary),
-            "aux_layer_ids": MetadataValue.json(run.result.aux_layer_ids),
-            "export": run.export_url or "",
-            "checkpoint": store.url_of(run.result.checkpoint),
-            "tensorboard": store.url_of(TENSORBOARD_DIR),
-        }
+def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
+    """The `drafter` asset. Offline it holds the `gpu` pool like every GPU step. Rolling, it trains while
+    shards are extracted, so it takes its own `trainer` pool: holding `gpu` while it waits for a shard
+    would keep that shard's extraction from ever starting."""
+
+    rolling = training.mode == "rolling"
+
+    @asset(
+        key=DRAFTER,
+        group_name=GROUP,
+        deps=[vocab_map, HIDDEN_STATES, target_model],
+        pool=TRAINER_POOL if rolling else GPU_POOL,
+        kinds={"pytorch"},
     )
+    def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+        """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported.
+        Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint has learnt it."""
+        store = project.store
+        keys = registered_shard_keys(context.instance)
+        if not keys:
+            raise Failure("no hidden-state shards are registered: materialize `tokenized` first", allow_retries=False)
+        reporter: WindowReporter | None = None
+        if rolling:
+            if (refusal := rolling_refusal(store, keys)) is not None:
+                raise refusal
+            reporter = WindowReporter(context, store, keys, training.window_shards)
+            reporter.poll()
+        elif bad := unusable_shards(context.instance, project, keys):
+            listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
+            raise Failure(
+                f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})",
+                allow_retries=False,
+            )
+
+        def on_metrics(step: int, metrics: dict[str, float]) -> None:
+            if step % 10 == 0:
+                observe(context, {"step": step, **metrics})
+
+        try:
+            with failures():
+                run = train_and_export(
+                    store, project.target(), project.settings, keys, on_metrics=on_metrics, log=context.log.info,
+                    on_shard=(lambda _: reporter.poll()) if reporter else None,
+                )  # fmt: skip
+        finally:
+            if reporter is not None:
+                reporter.poll()
+        return MaterializeResult(
+            metadata={
+                **to_metadata(run.summary),
+                "aux_layer_ids": MetadataValue.json(run.result.aux_layer_ids),
+                "export": run.export_url or "",
+                "checkpoint": store.url_of(run.result.checkpoint),
+                "tensorboard": store.url_of(TENSORBOARD_DIR),
+            }
+        )
+
+    return drafter
 
 
-@asset(group_name=GROUP, deps=[drafter], pool="gpu", kinds={"vllm"})
+@asset(group_name=GROUP, deps=[DRAFTER], pool=GPU_POOL, kinds={"vllm"})
 def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """The export served with the target in vLLM on held-out prompts: acceptance, and the features' share of it."""
     with failures():

@@ -27,6 +27,7 @@ STALL_TAG = "eagle3/stall"  # "stalled" or "process_gone": the alert for it was 
 PID_STARTED_TAG = "eagle3/pid_started"  # epoch seconds: tells a reused pid from the recorded process
 MACHINE_TAG = "eagle3/machine"
 GPU_POOL = "gpu"
+TRAINER_POOL = "trainer"  # rolling training, which runs beside extraction (defs/drafter/assets.py)
 LIVE = (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING)
 
 
@@ -90,7 +91,7 @@ def pool_limit(instance: DagsterInstance, pool: str = GPU_POOL) -> int | None:
     return instance.event_log_storage.get_concurrency_info(pool).limit
 
 
-def sweep_dead_runs(instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_POOL,)) -> list[str]:
+def sweep_dead_runs(instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_POOL, TRAINER_POOL)) -> list[str]:
     """Fail every live-looking run of this machine whose process is gone and free its slots; free slots
     of finished runs. Returns one line per run it acted on."""
     acted: list[str] = []

@@ -1,0 +1,65 @@
+"""What the UI shows of a rolling run (`training.mode: rolling`).
+
+The trainer keeps the window in the store (`shard_window.py`), wherever it runs; the
+`drafter` asset reads it back while training runs and reports each change: on the shard's
+own `hidden_states` partition an observation with its state (checked, training, consumed
+at step s, released), so a released shard reads as learnt, not missing; on `drafter` the
+progress in shards, the hidden-state bytes on disk against the window, and an ETA that
+accounts for both extraction and training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dagster import AssetExecutionContext, AssetObservation, Failure
+
+from eagle3_assets.defs.observe import to_metadata
+from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.shard_window import check_verdict, read_consumed, window_status
+from eagle3_assets.storage import ArtifactStore
+
+
+class WindowReporter:
+    """Polled while the drafter trains: reports what changed in the window since the last poll."""
+
+    def __init__(self, context: AssetExecutionContext, store: ArtifactStore, keys: Sequence[str], size: int):
+        self.context, self.store, self.keys, self.size = context, store, list(keys), size
+        self.reported: dict[str, str] = {}
+
+    def poll(self) -> None:
+        status = window_status(self.store, self.keys, self.size)
+        # The first shard neither consumed nor released is the one the trainer is on once it has passed its check.
+        current = next((k for k, s in status.states.items() if s not in ("consumed", "released")), None)
+        for key, state in status.states.items():
+            shown = "training" if key == current and state == "checked" else state
+            if self.reported.get(key) == shown:
+                continue
+            self.reported[key] = shown
+            values: dict[str, object] = {"state": shown}
+            if key in status.consumed_at:
+                values["consumed_at_step"] = status.consumed_at[key]
+            self._report(AssetObservation(asset_key=HIDDEN_STATES, partition=key, metadata=to_metadata(values)))
+        self._report(AssetObservation(asset_key=self.context.asset_key, metadata=to_metadata(status.as_metadata())))
+
+    def _report(self, observation: AssetObservation) -> None:
+        # Straight to the event log, not through the step: a step's logged events reach it only when the
+        # step ends, and not at all when it fails, and a rolling run is long and may end waiting for a shard.
+        self.context.instance.report_runless_asset_event(observation)
+
+
+def rolling_refusal(store: ArtifactStore, keys: Sequence[str]) -> Failure | None:
+    """Why a rolling run must not start, before any rank does: the next shard to train failed its check.
+
+    Shards not extracted yet are no reason to refuse: rolling training waits for them.
+    """
+    consumed = read_consumed(store)
+    upcoming = next((k for k in keys if k not in consumed), None)
+    if upcoming is None or check_verdict(store, upcoming) != "failed":
+        return None
+    return Failure(
+        f"drafter refuses to train: shard {upcoming}, the next in training order, failed its integrity check, and "
+        "rolling training never skips a shard. Repair it (`verify_shards` names the bad files; materialize the "
+        "shard again), then materialize `drafter`",
+        allow_retries=False,
+    )
