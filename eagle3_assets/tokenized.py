@@ -79,9 +79,12 @@ class TokenizedSet:
         """The same rows in a seeded random order (`row_ids` follows them), so that any run of consecutive
         rows, a shard, is a uniform sample of the set: a prompt file sorted by topic or source does not
         become a drift across a single pass."""
-        order = np.random.default_rng([seed, 0x5A4D]).permutation(self.num_rows)
+        return self.reordered(np.random.default_rng([seed, 0x5A4D]).permutation(self.num_rows))
+
+    def reordered(self, order: np.ndarray) -> TokenizedSet:
+        """Rows `order[0]`, `order[1]`, … of this set (a permutation or a subset)."""
         lengths = np.diff(self.offsets)[order]
-        offsets = np.zeros(self.num_rows + 1, dtype=np.int64)
+        offsets = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         take = np.concatenate([np.arange(self.offsets[r], self.offsets[r + 1]) for r in order])
         return TokenizedSet(self.input_ids[take], self.loss_mask[take], offsets, self.row_ids[order])
