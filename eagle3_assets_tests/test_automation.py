@@ -80,3 +80,40 @@ def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
         finally:
             release.set()
             in_flight.join(timeout=60)
+
+
+def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):
+    from eagle3_assets.defs.shards.automation import rolling_shard_backfill_condition
+    from eagle3_assets.project import Project
+    from eagle3_assets.settings import TrainingSettings
+    from eagle3_assets.shard_window import record_consumed
+    from eagle3_assets.storage import ArtifactStore
+    from eagle3_assets_tests.conftest import tiny_settings
+
+    project = Project(
+        tiny_settings(training=TrainingSettings(mode="rolling", window_shards=2)), ArtifactStore(tmp_path / "store")
+    )
+
+    @asset(
+        name="hidden_states", partitions_def=shards, deps=[tokenized],
+        automation_condition=rolling_shard_backfill_condition("*/15 * * * *", project),
+    )  # fmt: skip
+    def rolling() -> None:
+        return None
+
+    defs = Definitions(assets=[tokenized, rolling])
+    keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80", "rows_80-100"]
+    start = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("hidden_state_shards", keys)
+        assert run(instance, ["tokenized"]).success
+        first = evaluate_automation_conditions(defs, instance, evaluation_time=start)
+        tick = evaluate_automation_conditions(defs, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor)
+        assert sorted(tick.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]
+
+        # Training consumed the first shard (its files since released): the window moves on by one.
+        record_consumed(project.store, "rows_0-20", step=7, checkpoint="drafter/checkpoints/step_7")
+        later = evaluate_automation_conditions(
+            defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
+        )
+        assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
