@@ -256,14 +256,23 @@ def test_rolling_mode_trains_shards_as_they_land_in_any_order_a_person_tries(pip
         again = run(defs, instance, ["hidden_states"], keys[0])
         assert "shard rows_0-15 was trained (consumed at step" in again.failure_data_for_node("hidden_states").error.message
         assert run(defs, instance, ["hidden_states"], keys[2]).success  # the window has room now
+        sample = next((root / "hidden_states" / keys[2]).glob("*.safetensors"))
+        sample.write_bytes(sample.read_bytes()[:-100])  # damaged after its check passed
         verified = defs.resolve_job_def("verify_shards").execute_in_process(instance=instance, raise_on_error=False)
-        assert verified.success
+        assert not verified.success
         checks = {
             e.event_specific_data.partition: e.event_specific_data.metadata["state"].value
             for e in verified.all_events
             if e.event_type_value == "ASSET_CHECK_EVALUATION" and "state" in e.event_specific_data.metadata
         }
         assert checks == {keys[0]: "released", keys[1]: "released"}
+        assert "1 of 1 shards failed the integrity check" in verified.failure_data_for_node("verify_all_shards").error.message
+
+        refused = run(defs, instance, ["drafter"])  # never skips the bad shard: refuses before training
+        assert "shard rows_30-45, the next in training order, failed its integrity check" in (
+            refused.failure_data_for_node("drafter").error.message
+        )
+        assert run(defs, instance, ["hidden_states"], keys[2]).success  # repaired: one row recomputed
 
         done = run(defs, instance, ["drafter"])
         assert done.success
