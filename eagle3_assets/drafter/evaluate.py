@@ -8,19 +8,28 @@ equal plain greedy output; mean acceptance length with features over without is 
 The plain greedy answers are then scored by the training objective, acc_k per token
 class (`token_accuracy`): fact tokens, which only the target's state can predict,
 against template tokens, which the text predicts.
+
+Each prompt is rendered as `responses` renders it: with the run-wide
+`generation.chat_template_kwargs` and its own over them. Prompts of one mode (one set of
+kwargs, e.g. thinking on and off) are decoded together and the acceptance is also
+reported per mode (`acceptance_by_mode`): a drafter serving a hybrid target is scored
+on each mode it will serve.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
@@ -47,6 +56,8 @@ class EvalReport:
     max_tokens: int
     acceptance: dict[str, float] = field(default_factory=dict)  # "k3" -> mean acceptance length
     acceptance_zeroed: dict[str, float] = field(default_factory=dict)  # features zeroed
+    modes: dict[str, int] = field(default_factory=dict)  # chat-template kwargs (mode_label) -> prompts
+    acceptance_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)  # mode -> "k3" -> acceptance
     per_position: dict[str, list[float]] = field(default_factory=dict)
     heldout_training_metrics: dict[str, float] = field(default_factory=dict)
     token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
@@ -68,6 +79,10 @@ class EvalReport:
             meta[f"mean_acceptance_length_k{k}_features_zeroed"] = round(self.acceptance_zeroed[f"k{k}"], 4)
             meta[f"feature_gain_k{k}"] = round(self.feature_gain(k), 4)
             meta[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in self.per_position[f"k{k}"]]
+        meta["prompts_by_mode"] = self.modes
+        meta["mean_acceptance_length_by_mode"] = {
+            mode: {k: round(v, 4) for k, v in acc.items()} for mode, acc in self.acceptance_by_mode.items()
+        }
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
         for c, acc in self.token_accuracy.items():
             if not acc.predictions[0]:
@@ -119,6 +134,18 @@ def token_class_accuracy(
     return accuracy, off_reference
 
 
+def eval_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], run_wide: Mapping[str, Any]
+) -> tuple[list[list[int]], list[str]]:
+    """Each eval prompt's ids as `responses` renders a prompt (its template kwargs over the run-wide ones), and its
+    mode (`mode_label` of those kwargs); a kwarg the template ignores is refused as `responses` refuses it."""
+    check_template_kwargs(tokenizer, prompts, run_wide)
+    kwargs = [p.template_kwargs(run_wide) for p in prompts]
+    return [generation_prompt_ids(tokenizer, p.messages, kw) for p, kw in zip(prompts, kwargs, strict=True)], [
+        mode_label(kw) for kw in kwargs
+    ]
+
+
 def evaluate_drafter(
     store: ArtifactStore,
     target: TargetModel,
@@ -130,10 +157,10 @@ def evaluate_drafter(
     """Serve the export with the target on the held-out prompts; writes `drafter_eval/report.json`."""
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
-    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
+    prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
     max_tokens = max_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
-    report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens)
+    report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)))
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
         export_dir = Path(tmp) / "export"
         store_export = store.local_path(EXPORT_DIR)
@@ -151,7 +178,7 @@ def evaluate_drafter(
             target.path,
             prompt_ids,
             [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants],
-            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False},
+            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
         )
         for (k, zeroed), spec in zip(variants, speculative, strict=True):
             label = f"k={k}" + (" features zeroed" if zeroed else "")
@@ -159,6 +186,9 @@ def evaluate_drafter(
             (report.acceptance_zeroed if zeroed else report.acceptance)[f"k{k}"] = spec.mean_acceptance_length
             if not zeroed:
                 report.per_position[f"k{k}"] = spec.acceptance_per_position
+                for mode, part in spec.by_group.items():
+                    report.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
+                    log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
             for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
                 if a != b:
                     report.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
