@@ -48,8 +48,8 @@ What it does
    the held-out eval prompts, greedy, plain and with each drafter at k=3 and k=7, and with
    vLLM's `ngram` speculative method at the same k (`prompt_lookup_min`/`max` =
    `--ngram-min`/`--ngram-max`: the k tokens that followed the latest earlier occurrence of
-   the last n tokens, n tried from max down to min; nothing trained, the floor a drafter must
-   beat), and checks that every speculative output equals the plain greedy output.
+   the longest suffix n-gram, n between min and max; nothing trained, the floor a drafter
+   must beat), and checks that every speculative output equals the plain greedy output.
 
 CPU seconds are process time (`time.process_time()`: every thread of the training process,
 data loading included; validation, checkpoints and export excluded), per optimizer step,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.chat import TemplateKwargsError, check_template_kwargs, generation_prompt_ids, mode_label
-from eagle3_assets.drafter.evaluate import eval_prompt_ids
+from eagle3_assets.drafter.evaluate import EvalReport, eval_prompt_ids
+from eagle3_assets.drafter.vllm_eval import GenerationResult
 from eagle3_assets.generation.base import Generated
 from eagle3_assets.prompts import PromptsError, parse_prompts
 from eagle3_assets.reasoning import ReasoningFormatError, detect_format
@@ -108,3 +109,22 @@ def test_an_explicit_reasoning_format_that_contradicts_the_tokenizer_is_refused_
     assert (detect_format(tok, "none"), detect_format(harmony, "harmony"), detect_format(tok, "auto")) == (
         "none", "harmony", "think"
     )  # fmt: skip
+
+
+def test_drafter_eval_reports_acceptance_per_mode():
+    """The eval's runs come back with a result per mode (vllm_eval `groups`: tested on a real engine in
+    test_drafter_vllm.py); the report keeps each mode's acceptance beside the whole's."""
+    on, off = '{"enable_thinking": true}', '{"enable_thinking": false}'
+    plain = GenerationResult([[5, 6], [7, 8], [9]])
+    report = EvalReport(prompts=3, max_tokens=2, modes={on: 2, off: 1})
+    for k, zeroed, drafts, accepted in ((3, False, 4, 4), (3, True, 4, 1), (7, False, 4, 6), (7, True, 4, 2)):
+        spec = GenerationResult(
+            [[5, 6], [7, 8], [9]], drafts, k * drafts, accepted, [accepted],
+            by_group={on: GenerationResult([[5, 6], [7, 8]], 3, 3 * k, accepted), off: GenerationResult([[9]], 1, k, 0)},
+        )  # fmt: skip
+        report.add_run(k, zeroed, plain, spec, log=lambda _: None)
+    meta = report.as_metadata()
+    assert meta["prompts_by_mode"] == {on: 2, off: 1}
+    assert meta["mean_acceptance_length_by_mode"] == {on: {"k3": 2.3333, "k7": 3.0}, off: {"k3": 1.0, "k7": 1.0}}
+    assert (meta["mean_acceptance_length_k3"], meta["mean_acceptance_length_k7"]) == (2.0, 2.5)
+    assert report.outputs_match

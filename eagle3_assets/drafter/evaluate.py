@@ -34,7 +34,7 @@ from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
-from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_runs_in_subprocess
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
@@ -63,6 +63,22 @@ class EvalReport:
     token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
     off_reference: list[str] = field(default_factory=list)  # prompt ids answered unlike their reference
     mismatches: list[dict] = field(default_factory=list)
+
+    def add_run(
+        self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None]
+    ) -> None:
+        """One speculative run's acceptance (overall, per position and per mode) and its outputs against greedy."""
+        label = f"k={k}" + (" features zeroed" if zeroed else "")
+        log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
+        (self.acceptance_zeroed if zeroed else self.acceptance)[f"k{k}"] = spec.mean_acceptance_length
+        if not zeroed:
+            self.per_position[f"k{k}"] = spec.acceptance_per_position
+            for mode, part in spec.by_group.items():
+                self.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
+                log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
+        for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
+            if a != b:
+                self.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
 
     @property
     def outputs_match(self) -> bool:
@@ -181,17 +197,7 @@ def evaluate_drafter(
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
         )
         for (k, zeroed), spec in zip(variants, speculative, strict=True):
-            label = f"k={k}" + (" features zeroed" if zeroed else "")
-            log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
-            (report.acceptance_zeroed if zeroed else report.acceptance)[f"k{k}"] = spec.mean_acceptance_length
-            if not zeroed:
-                report.per_position[f"k{k}"] = spec.acceptance_per_position
-                for mode, part in spec.by_group.items():
-                    report.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
-                    log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
-            for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
-                if a != b:
-                    report.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
+            report.add_run(k, zeroed, plain, spec, log)
         log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
         report.token_accuracy, report.off_reference = token_class_accuracy(
             target, settings, export_dir, prompts, prompt_ids, plain.outputs

@@ -14,8 +14,8 @@ whose i-th draft token was accepted.
 `zero_fc=True` serves a copy of the export with `fc.weight` zeroed: the drafter then
 sees no target features at all, the baseline that shows what the features buy.
 `method="ngram"` drafts by prompt lookup instead (vLLM's `ngram` proposer: the k tokens
-that followed the last earlier occurrence of the newest n-gram, n from
-`prompt_lookup_max` down to `prompt_lookup_min`), the floor that costs no training.
+that followed the latest earlier occurrence of the longest suffix n-gram, n between
+`prompt_lookup_min` and `prompt_lookup_max`), the floor that costs no training.
 
 `groups` (one label per prompt) decodes each group with its own `generate` call on the
 same engine and reads the counters per group (`by_group`): acceptance per serving mode.
