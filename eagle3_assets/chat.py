@@ -82,9 +82,17 @@ def ignored_template_kwargs(
     return ignored
 
 
+# apply_chat_template's own arguments: the rendering itself (generation prompt, ids vs text) is not a mode.
+RESERVED_KWARGS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], run_wide: Mapping[str, Any]) -> None:
-    """Refuse, naming the kwarg and where it is set, any kwarg the template ignores; each mode is tried on its
-    first prompt."""
+    """Refuse, naming the kwarg and where it is set, any kwarg that is an argument of the rendering itself or
+    that the template ignores; each mode is tried on its first prompt."""
     seen: set[str] = set()
     for prompt in prompts:
         kwargs = prompt.template_kwargs(run_wide)
@@ -92,10 +100,18 @@ def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[
         if label in seen:
             continue
         seen.add(label)
-        for name in ignored_template_kwargs(tokenizer, prompt.messages, kwargs):
-            where = f"prompt {prompt.id!r}" if name in prompt.chat_template_kwargs else "generation.chat_template_kwargs"
+
+        def where(name: str) -> str:
+            return f"prompt {prompt.id!r}" if name in prompt.chat_template_kwargs else "generation.chat_template_kwargs"
+
+        if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
             raise TemplateKwargsError(
-                f"{where}: chat_template_kwargs {name!r} changes nothing: the target's chat template renders the "
+                f"{where(reserved[0])}: chat_template_kwargs {reserved[0]!r} is an argument of the rendering itself, not a variable "
+                "of the template; every prompt is rendered once, with the generation prompt, as text then ids"
+            )
+        if ignored := ignored_template_kwargs(tokenizer, prompt.messages, kwargs):
+            raise TemplateKwargsError(
+                f"{where(ignored[0])}: chat_template_kwargs {ignored[0]!r} changes nothing: the target's chat template renders the "
                 "same text without it and never reads it. Remove it or fix its name: a row rendered with it would "
                 "record a mode it was not rendered in"
             )

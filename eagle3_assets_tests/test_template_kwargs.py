@@ -76,6 +76,8 @@ def test_a_kwarg_the_template_never_reads_is_refused_naming_it_and_where_it_is_s
         check_template_kwargs(tok, prompts, {})
     with pytest.raises(TemplateKwargsError, match=r"^generation.chat_template_kwargs: chat_template_kwargs 'effort'"):
         eval_prompt_ids(tok, prompts[:1], {"effort": "high"})
+    with pytest.raises(TemplateKwargsError, match=r"^generation.chat_template_kwargs: chat_template_kwargs 'tokenize' is an"):
+        check_template_kwargs(tok, prompts[:1], {"tokenize": True})
     # The template's default value renders the same text, but the template reads it: not refused.
     check_template_kwargs(tok, prompts[:3], {"enable_thinking": True})
 
