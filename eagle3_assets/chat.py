@@ -106,14 +106,15 @@ def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[
 
         if reserved := sorted(RESERVED_KWARGS & set(kwargs)):
             raise TemplateKwargsError(
-                f"{where(reserved[0])}: chat_template_kwargs {reserved[0]!r} is an argument of the rendering itself, not a variable "
-                "of the template; every prompt is rendered once, with the generation prompt, as text then ids"
+                f"{where(reserved[0])}: chat_template_kwargs {reserved[0]!r} is an argument of the rendering "
+                "itself, not a variable of the template; every prompt is rendered once, with the generation prompt, "
+                "as text then ids"
             )
         if ignored := ignored_template_kwargs(tokenizer, prompt.messages, kwargs):
             raise TemplateKwargsError(
-                f"{where(ignored[0])}: chat_template_kwargs {ignored[0]!r} changes nothing: the target's chat template renders the "
-                "same text without it and never reads it. Remove it or fix its name: a row rendered with it would "
-                "record a mode it was not rendered in"
+                f"{where(ignored[0])}: chat_template_kwargs {ignored[0]!r} changes nothing: the target's chat "
+                "template renders the same text without it and never reads it. Remove it or fix its name: a row "
+                "rendered with it would record a mode it was not rendered in"
             )
 
 
