@@ -79,7 +79,14 @@ from drafter_runs import KS, demo_store, log, serve, shard_keys, steady, train  
 
 from eagle3_assets.project import Project  # noqa: E402
 from eagle3_assets.prompts import parse_prompts  # noqa: E402
-from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV, TrainingSettings, artifact_root, load_settings  # noqa: E402
+from eagle3_assets.settings import (  # noqa: E402
+    CONFIG_ENV,
+    ROOT_ENV,
+    TrainingSettings,
+    artifact_root,
+    demo_settings,
+    load_settings,
+)
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
 
 PEER_VENV = ROOT / ".peer" / "speculators"
@@ -125,10 +132,13 @@ def train_speculators(py: Path, data_dir: Path, target_dir: Path, out: Path, arg
 
 
 def open_project(args: argparse.Namespace) -> Project:
-    """The configured run (`--config`/$EAGLE3_CONFIG, `--root`/$EAGLE3_ROOT), or the demo store at `--store`."""
+    """The configured run (`--config`/$EAGLE3_CONFIG, `--root`/$EAGLE3_ROOT), or the demo store at `--store`
+    (its shards built there first when a drafter is to be trained)."""
     config = args.config or os.environ.get(CONFIG_ENV)
     if not config:
-        return demo_store(args.store)
+        if {"ours", "speculators"} & set(args.contestants):
+            return demo_store(args.store)
+        return Project(demo_settings(), ArtifactStore(str(args.store.resolve())))
     root = args.root or os.environ.get(ROOT_ENV)
     if not root:
         raise SystemExit(f"--config {config}: name the run's store with --root or ${ROOT_ENV}")
@@ -149,16 +159,12 @@ def ratios(served: dict, a: str, b: str) -> dict:
 def print_table(report: dict) -> None:
     s = report["served"]
     print(f"\n{'drafter':<16}{'steps':>7}{'CPU s/step':>12}{'tok/step':>10}{'acc.len k3':>12}{'acc.len k7':>12}  per position k7")
-    for name in ("ours", "ours_equal_cpu", "speculators", "ngram"):
-        if name not in s:
-            continue
-        t = report.get(name, {"steps": 0, "cpu_s_per_step": 0.0, "tokens_per_step": 0.0})  # ngram: nothing trained
+    for name in s:
         k3, k7 = s[name]["k3"], s[name]["k7"]
         pos = " ".join(f"{x:.3f}" for x in k7["acceptance_per_position"])
-        print(
-            f"{name:<16}{t['steps']:>7}{t['cpu_s_per_step']:>12.3f}{t['tokens_per_step']:>10.0f}"
-            f"{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}  {pos}"
-        )
+        t = report.get(name)  # none: not trained here (ngram, or an export given by --serve-export)
+        trained = f"{t['steps']:>7}{t['cpu_s_per_step']:>12.3f}{t['tokens_per_step']:>10.0f}" if t else f"{'-':>7}{'-':>12}{'-':>10}"
+        print(f"{name:<16}{trained}{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}  {pos}")
     r = report["ratios"]
     if "equal_steps" in r:
         print(f"\nours / speculators, equal steps:        k3 {r['equal_steps']['k3']:.3f}  k7 {r['equal_steps']['k7']:.3f}")
@@ -193,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=Path, help="JSONL prompts to decode (default: the store's held-out prompts)")
     ap.add_argument("--max-tokens", type=int, help="decode length per prompt (default: generation.max_new_tokens)")
     ap.add_argument("--contestants", type=contestants, default=list(CONTESTANTS), help="any of ours,speculators,ngram")
+    ap.add_argument(
+        "--serve-export", action="append", default=[], metavar="LABEL=DIR",
+        help="also serve an existing export (not trained here), e.g. ours=.eagle3/drafter/export",
+    )  # fmt: skip
     ap.add_argument("--ngram-min", type=int, default=2, help="vLLM ngram prompt_lookup_min")
     ap.add_argument("--ngram-max", type=int, default=5, help="vLLM ngram prompt_lookup_max")
     ap.add_argument("--steps", type=int, default=155, help="optimizer steps for both trainers")
@@ -265,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
             report["ours_equal_cpu"] = equal.as_json()
             drafters["ours_equal_cpu"] = equal.export_dir
 
+    for given in args.serve_export:
+        label, _, path = given.partition("=")
+        if not path or label in drafters:
+            raise SystemExit(f"--serve-export {given!r}: expected LABEL=DIR with a label not trained here")
+        drafters[label] = Path(path).resolve()
     t = time.perf_counter()
     ngram = (args.ngram_min, args.ngram_max) if "ngram" in args.contestants else None
     report["served"] = served = serve(project.target(), project, drafters, max_tokens, prompts=eval_prompts, ngram=ngram)
@@ -279,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval_prompts": str(args.eval_prompts or store.url_of("prompts/eval_prompts.jsonl")),
         "max_tokens": max_tokens,
         "contestants": args.contestants,
+        "served_exports": args.serve_export,
         "ngram_prompt_lookup": list(ngram) if ngram else None,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
