@@ -151,6 +151,7 @@ def serve(
             g = next(results)
             out[n][f"k{k}"] = {
                 "mean_acceptance_length": g.mean_acceptance_length,
+                "tokens_per_forward": g.tokens_per_forward,
                 "acceptance_per_position": g.acceptance_per_position,
                 "num_drafts": g.num_drafts,
                 "outputs_match_greedy": g.outputs == plain.outputs,

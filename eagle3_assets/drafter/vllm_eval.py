@@ -8,8 +8,9 @@ Dagster asset or a test should call; `generate_runs_in_subprocess(...)` runs sev
 settings there one after another, paying for vLLM's import once (~14 s on CPU).
 
 Acceptance (vLLM's spec-decode counters): mean acceptance length = 1 + accepted /
-drafts (tokens produced per target forward), and per position i the share of drafts
-whose i-th draft token was accepted.
+drafts (tokens produced per target forward that drafted), and per position i the share
+of drafts whose i-th draft token was accepted. `tokens_per_forward` also counts the
+forwards that drafted nothing (the prefill, and every step n-gram lookup finds no match).
 
 `zero_fc=True` serves a copy of the export with `fc.weight` zeroed: the drafter then
 sees no target features at all, the baseline that shows what the features buy.
@@ -55,6 +56,14 @@ class GenerationResult:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     @property
+    def tokens_per_forward(self) -> float:
+        """Tokens generated per target forward, steps without a draft included: every forward yields one token plus
+        the drafts it accepted. A method that drafts only sometimes (ngram) is compared on this, not on the mean
+        acceptance length, which counts the steps that drafted."""
+        served = sum(map(len, self.outputs))
+        return served / (served - self.num_accepted_tokens) if served > self.num_accepted_tokens else 1.0
+
+    @property
     def acceptance_per_position(self) -> list[float]:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
 
@@ -64,6 +73,7 @@ class GenerationResult:
             "by_group": {label: g.to_json() for label, g in self.by_group.items()},
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
+            "tokens_per_forward": self.tokens_per_forward,
         }
 
     @classmethod
