@@ -153,6 +153,8 @@ def write_config(args: argparse.Namespace, out: Path) -> Path:
         "eval_prompts": str(out / "prompts" / "eval.jsonl"),
     }
     config["generation"] = config.get("generation", {}) | {"max_new_tokens": args.max_new_tokens}
+    # Training rows held out for acc_k: the default 64, fewer when the draw is tiny.
+    config["training"] = config.get("training", {}) | {"heldout_rows": min(64, args.train_prompts // 4)}
     config["vllm"] = config.get("vllm", {}) | {"max_model_len": config["max_seq_len"] + args.max_new_tokens}
     path = out / "eagle3.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
