@@ -4,8 +4,9 @@ Each row records the prompt exactly as the engine saw it (`prompt_token_ids`: th
 template with the generation prompt, rendered once) and exactly what the engine
 produced (`completion_token_ids`, the stop token included when it stopped on one), with
 `finish_reason`: that pair is the training row. `chat_template_kwargs` records what the
-prompt was rendered with: the run-wide kwargs and the prompt's own, merged. The messages keep the answer's text and
-its reasoning apart (`content`, `reasoning_content`) for people, decoded from those ids.
+prompt was rendered with: the run-wide kwargs and the prompt's own, merged. The messages
+keep the answer's text and its reasoning apart (`content`, `reasoning_content`) for
+people, decoded from those ids.
 
 Rows are generated in parts of `rows_per_part` prompts; each part is written
 atomically to `responses/parts/part-NNNNN.jsonl`, so a killed run keeps every
@@ -20,9 +21,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
