@@ -1,15 +1,26 @@
-"""Peer benchmark: our EAGLE-3 drafter against speculators' (PyPI 0.9.0), same data, same steps, same server.
+"""Peer benchmark: our EAGLE-3 drafter against speculators' (PyPI 0.9.0) and against vLLM's n-gram
+prompt lookup, same data, same steps, same prompts, same server.
 
-One command (tens of minutes on 2 cores):
+One command (tens of minutes on 2 cores, on the demo):
 
     .venv/bin/python benchmarks/bench_peer_speculators.py --store /tmp/recipe-demo-store --out /tmp/peer-bench
 
-`--store` is the demo store (built there the first time: the project's demo graph through the
-shards, `drafter_runs.demo_store`); both backends store the pre-norm last state speculators
-needs. The peer venv (`.peer/speculators/`) is created on first use by
-`benchmarks/peer/setup_speculators_venv.sh`. Ours trains with the demo's training settings
-(our defaults), `--recipe` overriding any of them. Figures go to stdout (a table) and
-`<out>/report.json`.
+Any configured run instead: its settings file (`--config`, or $EAGLE3_CONFIG) and its store
+(`--root`, or $EAGLE3_ROOT; a local directory), with `hidden_states` materialized there:
+
+    .venv/bin/python benchmarks/bench_peer_speculators.py --config eagle3.yaml --root /data/eagle3 \
+        --eval-prompts /data/heldout.jsonl --max-tokens 256 --out /tmp/peer-bench
+
+Without a config, `--store` is the demo store (built there the first time: the project's demo
+graph through the shards, `drafter_runs.demo_store`); both backends store the pre-norm last
+state speculators needs. The peer venv (`.peer/speculators/`) is created on first use by
+`benchmarks/peer/setup_speculators_venv.sh`. Ours trains with the run's training settings,
+`--recipe` overriding any of them. `--max-tokens` is the decode length (default:
+`generation.max_new_tokens`), `--eval-prompts` a JSONL prompt file (default: the store's
+held-out prompts, `eval_prompts`); prompts render with the run's chat-template kwargs, as
+`drafter_eval` renders them. `--contestants` picks any of ours, speculators, ngram
+(`--contestants ngram` serves n-gram drafting alone: no training, no shards needed). Figures go
+to stdout (a table) and `<out>/report.json`.
 
 What it does
 ------------
@@ -34,8 +45,15 @@ What it does
    other way round: speculators is the slower one per step, so cutting it down to our CPU
    budget would compare a few dozen of its steps with our full run.) `--no-equal-cpu` skips it.
 5. Serves every drafter with the same script (`drafter_runs.serve`: one vLLM interpreter):
-   the demo's held-out eval prompts, greedy, plain and with each drafter at k=3 and k=7, and
-   checks that every speculative output equals the plain greedy output.
+   the held-out eval prompts, greedy, plain and with each drafter at k=3 and k=7, and with
+   vLLM's `ngram` speculative method at the same k (`prompt_lookup_min`/`max` =
+   `--ngram-min`/`--ngram-max`: the k tokens that followed the latest earlier occurrence of
+   the longest suffix n-gram, n between min and max; nothing trained, the floor a drafter
+   must beat), and checks that every speculative output equals the plain greedy output.
+   vLLM counts a draft only where one was proposed, and n-gram lookup proposes only where the
+   text repeats, so its mean acceptance length skips the steps it could not draft: ours ÷
+   n-gram is taken on tokens per target forward (generated ÷ (generated − accepted)), which
+   counts every forward.
 
 CPU seconds are process time (`time.process_time()`: every thread of the training process,
 data loading included; validation, checkpoints and export excluded), per optimizer step,
@@ -61,9 +79,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(PEER_DIR))
 
 from convert_shards import convert  # noqa: E402
-from drafter_runs import KS, demo_store, log, serve, steady, train  # noqa: E402
+from drafter_runs import KS, demo_store, log, serve, shard_keys, steady, train  # noqa: E402
 
-from eagle3_assets.settings import TrainingSettings, demo_settings  # noqa: E402
+from eagle3_assets.project import Project  # noqa: E402
+from eagle3_assets.prompts import parse_prompts  # noqa: E402
+from eagle3_assets.settings import (  # noqa: E402
+    CONFIG_ENV,
+    ROOT_ENV,
+    TrainingSettings,
+    artifact_root,
+    demo_settings,
+    load_settings,
+)
+from eagle3_assets.storage import ArtifactStore  # noqa: E402
 
 PEER_VENV = ROOT / ".peer" / "speculators"
 SETUP_SCRIPT = PEER_DIR / "setup_speculators_venv.sh"
@@ -104,42 +132,90 @@ def train_speculators(py: Path, data_dir: Path, target_dir: Path, out: Path, arg
     return r
 
 
+# -- the run ---------------------------------------------------------------------------------
+
+
+def open_project(args: argparse.Namespace) -> Project:
+    """The configured run (`--config`/$EAGLE3_CONFIG, `--root`/$EAGLE3_ROOT), or the demo store at `--store`
+    (its shards built there first when a drafter is to be trained)."""
+    config = args.config or os.environ.get(CONFIG_ENV)
+    if not config:
+        if {"ours", "speculators"} & set(args.contestants):
+            return demo_store(args.store)
+        return Project(demo_settings(), ArtifactStore(str(args.store.resolve())))
+    root = args.root or os.environ.get(ROOT_ENV)
+    if not root:
+        raise SystemExit(f"--config {config}: name the run's store with --root or ${ROOT_ENV}")
+    project = Project(load_settings({CONFIG_ENV: str(config)}), ArtifactStore(artifact_root({ROOT_ENV: root})))
+    if project.store.local_path("") is None:
+        raise SystemExit(f"--root {root}: the benchmarks train beside the store and need a local directory")
+    log(f"run: settings {config}, store {project.store.url_of('')}")
+    return project
+
+
 # -- report ----------------------------------------------------------------------------------
 
 
-def ratios(served: dict, a: str, b: str) -> dict:
-    return {f"k{k}": served[a][f"k{k}"]["mean_acceptance_length"] / served[b][f"k{k}"]["mean_acceptance_length"] for k in KS}
+def ratios(served: dict, a: str, b: str, figure: str = "mean_acceptance_length") -> dict:
+    return {f"k{k}": served[a][f"k{k}"][figure] / served[b][f"k{k}"][figure] for k in KS}
 
 
 def print_table(report: dict) -> None:
     s = report["served"]
-    print(f"\n{'drafter':<16}{'steps':>7}{'CPU s/step':>12}{'tok/step':>10}{'acc.len k3':>12}{'acc.len k7':>12}  per position k7")
-    for name in ("ours", "ours_equal_cpu", "speculators"):
-        if name not in report:
-            continue
-        t, k3, k7 = report[name], s[name]["k3"], s[name]["k7"]
+    print(f"\n{'drafter':<16}{'steps':>7}{'CPU s/step':>12}{'tok/step':>10}{'acc.len k3':>12}{'acc.len k7':>12}"
+          f"{'tok/fwd k3':>12}{'tok/fwd k7':>12}  per position k7")  # fmt: skip
+    for name in s:
+        k3, k7 = s[name]["k3"], s[name]["k7"]
         pos = " ".join(f"{x:.3f}" for x in k7["acceptance_per_position"])
+        t = report.get(name)  # none: not trained here (ngram, or an export given by --serve-export)
+        trained = f"{t['steps']:>7}{t['cpu_s_per_step']:>12.3f}{t['tokens_per_step']:>10.0f}" if t else f"{'-':>7}{'-':>12}{'-':>10}"
         print(
-            f"{name:<16}{t['steps']:>7}{t['cpu_s_per_step']:>12.3f}{t['tokens_per_step']:>10.0f}"
-            f"{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}  {pos}"
+            f"{name:<16}{trained}{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}"
+            f"{k3['tokens_per_forward']:>12.3f}{k7['tokens_per_forward']:>12.3f}  {pos}"
         )
     r = report["ratios"]
-    print(f"\nours / speculators, equal steps:        k3 {r['equal_steps']['k3']:.3f}  k7 {r['equal_steps']['k7']:.3f}")
+    if "equal_steps" in r:
+        print(f"\nours / speculators, equal steps:        k3 {r['equal_steps']['k3']:.3f}  k7 {r['equal_steps']['k7']:.3f}")
     if "equal_cpu_seconds" in r:
         e = r["equal_cpu_seconds"]
         print(f"ours / speculators, equal CPU-seconds:  k3 {e['k3']:.3f}  k7 {e['k7']:.3f}  (ours {report['ours_equal_cpu']['steps']} steps)")
-    print(f"CPU s/step speculators / ours:          {r['cpu_per_step_spec_over_ours']:.2f}x")
+    if "cpu_per_step_spec_over_ours" in r:
+        print(f"CPU s/step speculators / ours:          {r['cpu_per_step_spec_over_ours']:.2f}x")
+    if "ours_over_ngram_tokens_per_forward" in r:
+        g = r["ours_over_ngram_tokens_per_forward"]
+        print(f"ours / ngram, tokens per target forward: k3 {g['k3']:.3f}  k7 {g['k7']:.3f}")
     ok = all(v["outputs_match_greedy"] for n in s for v in s[n].values())
     print(f"speculative output == plain greedy for every drafter and k: {ok}\n")
 
 
+CONTESTANTS = ("ours", "speculators", "ngram")
+
+
+def contestants(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CONTESTANTS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(CONTESTANTS)}, comma-separated")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
-    demo = demo_settings()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, help=f"the run's settings file (default ${CONFIG_ENV}; neither: the demo)")
+    ap.add_argument("--root", help=f"the run's store, a local directory (default ${ROOT_ENV}); with --config")
     ap.add_argument("--store", type=Path, default=Path("/tmp/recipe-demo-store"), help="demo store (built if missing)")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "peer-bench", help="scratch + report dir")
+    ap.add_argument("--eval-prompts", type=Path, help="JSONL prompts to decode (default: the store's held-out prompts)")
+    ap.add_argument("--max-tokens", type=int, help="decode length per prompt (default: generation.max_new_tokens)")
+    ap.add_argument("--contestants", type=contestants, default=list(CONTESTANTS), help="any of ours,speculators,ngram")
+    ap.add_argument(
+        "--serve-export", action="append", default=[], metavar="LABEL=DIR",
+        help="also serve an existing export (not trained here), e.g. ours=.eagle3/drafter/export",
+    )  # fmt: skip
+    ap.add_argument("--ngram-min", type=int, default=2, help="vLLM ngram prompt_lookup_min")
+    ap.add_argument("--ngram-max", type=int, default=5, help="vLLM ngram prompt_lookup_max")
     ap.add_argument("--steps", type=int, default=155, help="optimizer steps for both trainers")
-    ap.add_argument("--recipe", default="{}", help="our training options as JSON, over the demo's training settings")
+    ap.add_argument("--recipe", default="{}", help="our training options as JSON, over the run's training settings")
     ap.add_argument("--spec-total-seq-len", default="match", help="speculators' packed tokens per step; 'match' = ours")
     ap.add_argument("--spec-optimizer", default="adamw", choices=["adamw", "muon"], help="speculators' default is muon")
     ap.add_argument("--spec-attn-impl", default="sdpa", choices=["sdpa", "eager"], help="flex attention: no CPU backward")
@@ -151,8 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    project = demo_store(args.store)
+    project = open_project(args)
     store = project.store
+    max_tokens = args.max_tokens or project.settings.generation.max_new_tokens
+    eval_prompts = None
+    if args.eval_prompts is not None:
+        eval_prompts = parse_prompts(args.eval_prompts.read_text(encoding="utf-8-sig"), str(args.eval_prompts))
+    trains = {"ours", "speculators"} & set(args.contestants)
+    if trains and not shard_keys(store):
+        raise SystemExit(
+            f"{store.url_of('')}: no complete hidden-state shards to train {' and '.join(sorted(trains))} on; "
+            "materialize the graph through hidden_states with this config and root first"
+        )
     base: TrainingSettings = project.settings.training.model_validate(
         project.settings.training.model_dump() | json.loads(args.recipe) | {"steps": args.steps, "device": "cpu"}
     )
@@ -160,52 +246,83 @@ def main(argv: list[str] | None = None) -> int:
     args.lr, args.warmup_steps, args.ttt_steps, args.step_weight = base.lr, base.warmup_steps, base.ttt_steps, base.step_weight
     args.weight_decay, args.seed = base.weight_decay, base.seed
     timings: dict[str, float] = {}
+    report: dict = {}
+    drafters: dict[str, Path] = {}
 
-    t = time.perf_counter()
-    py = ensure_peer_venv()
-    timings["peer_venv_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    data_dir = out / "speculators_data"
-    manifest = convert(store.local_path(""), data_dir, heldout_rows=base.heldout_rows, seed=base.seed)
-    timings["convert_s"] = time.perf_counter() - t
-    log(f"converted {manifest['n_train']} training + {manifest['n_heldout']} held-out rows into {data_dir}")
-
-    t = time.perf_counter()
-    ours = train(project, base, "ours", out, threads=args.threads)
-    timings["ours_s"] = time.perf_counter() - t
-    seq_len = round(ours.tokens_per_step) if args.spec_total_seq_len == "match" else int(args.spec_total_seq_len)
-    t = time.perf_counter()
-    spec = train_speculators(py, data_dir, project.target_dir(), out / "speculators_run", args, seq_len)
-    timings["speculators_s"] = time.perf_counter() - t
-    spec |= {"cpu_s_per_step": spec["cpu_s_per_step_mean"], "tokens_per_step": spec["tokens_per_step_mean"] or 0.0}
-
-    report: dict = {"ours": ours.as_json(), "speculators": {k: v for k, v in spec.items() if k != "cpu_s_per_step_list"}}
-    drafters = {"ours": ours.export_dir, "speculators": Path(spec["export_dir"])}
-    if not args.no_equal_cpu:
-        m = max(1, round(spec["cpu_s_train_steps"] / ours.cpu_s_per_step))
+    if "ours" in args.contestants:
         t = time.perf_counter()
-        equal = train(project, base.model_copy(update={"steps": m}), "ours_equal_cpu", out, threads=args.threads)
-        timings["ours_equal_cpu_s"] = time.perf_counter() - t
-        report["ours_equal_cpu"] = equal.as_json()
-        drafters["ours_equal_cpu"] = equal.export_dir
+        ours = train(project, base, "ours", out, threads=args.threads)
+        timings["ours_s"] = time.perf_counter() - t
+        report["ours"], drafters["ours"] = ours.as_json(), ours.export_dir
+    if "speculators" in args.contestants:
+        t = time.perf_counter()
+        py = ensure_peer_venv()
+        timings["peer_venv_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        data_dir = out / "speculators_data"
+        manifest = convert(store.local_path(""), data_dir, heldout_rows=base.heldout_rows, seed=base.seed)
+        timings["convert_s"] = time.perf_counter() - t
+        log(f"converted {manifest['n_train']} training + {manifest['n_heldout']} held-out rows into {data_dir}")
+        report["data"] = {k: v for k, v in manifest.items() if k != "rows"}
+        if "ours" in report and args.spec_total_seq_len == "match":
+            seq_len = round(ours.tokens_per_step)
+        elif args.spec_total_seq_len == "match":
+            seq_len = base.batch_tokens  # nothing of ours to match: our budget per step, padding included
+        else:
+            seq_len = int(args.spec_total_seq_len)
+        t = time.perf_counter()
+        spec = train_speculators(py, data_dir, project.target_dir(), out / "speculators_run", args, seq_len)
+        timings["speculators_s"] = time.perf_counter() - t
+        spec |= {"cpu_s_per_step": spec["cpu_s_per_step_mean"], "tokens_per_step": spec["tokens_per_step_mean"] or 0.0}
+        report["speculators"] = {k: v for k, v in spec.items() if k != "cpu_s_per_step_list"}
+        drafters["speculators"] = Path(spec["export_dir"])
+        if "ours" in report and not args.no_equal_cpu:
+            m = max(1, round(spec["cpu_s_train_steps"] / ours.cpu_s_per_step))
+            t = time.perf_counter()
+            equal = train(project, base.model_copy(update={"steps": m}), "ours_equal_cpu", out, threads=args.threads)
+            timings["ours_equal_cpu_s"] = time.perf_counter() - t
+            report["ours_equal_cpu"] = equal.as_json()
+            drafters["ours_equal_cpu"] = equal.export_dir
 
+    for given in args.serve_export:
+        label, _, path = given.partition("=")
+        if not path or label in drafters:
+            raise SystemExit(f"--serve-export {given!r}: expected LABEL=DIR with a label not trained here")
+        drafters[label] = Path(path).resolve()
     t = time.perf_counter()
-    report["served"] = served = serve(project.target(), project, drafters, demo.generation.max_new_tokens)
+    ngram = (args.ngram_min, args.ngram_max) if "ngram" in args.contestants else None
+    report["served"] = served = serve(project.target(), project, drafters, max_tokens, prompts=eval_prompts, ngram=ngram)
     timings["serve_s"] = time.perf_counter() - t
-    report["ratios"] = {
-        "equal_steps": ratios(served, "ours", "speculators"),
-        "cpu_per_step_spec_over_ours": spec["cpu_s_per_step"] / ours.cpu_s_per_step,
-    }
-    if "ours_equal_cpu" in report:
-        report["ratios"]["equal_cpu_seconds"] = ratios(served, "ours_equal_cpu", "speculators")
+    report["ratios"] = ratios_of(report, served)
     timings["total_s"] = time.perf_counter() - t_start
     report["timings"] = timings
     report["recipe"] = base.model_dump()
-    report["data"] = {k: v for k, v in manifest.items() if k != "rows"}
+    report["run"] = {
+        "config": str(args.config or os.environ.get(CONFIG_ENV) or "demo"),
+        "store": store.url_of(""),
+        "eval_prompts": str(args.eval_prompts or store.url_of("prompts/eval_prompts.jsonl")),
+        "max_tokens": max_tokens,
+        "contestants": args.contestants,
+        "served_exports": args.serve_export,
+        "ngram_prompt_lookup": list(ngram) if ngram else None,
+    }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     print_table(report)
     log(f"report: {out / 'report.json'} ({timings['total_s'] / 60:.1f} min)")
     return 0
+
+
+def ratios_of(report: dict, served: dict) -> dict:
+    r: dict = {}
+    if "ours" in served and "speculators" in served:
+        r["equal_steps"] = ratios(served, "ours", "speculators")
+        r["cpu_per_step_spec_over_ours"] = report["speculators"]["cpu_s_per_step"] / report["ours"]["cpu_s_per_step"]
+    if "ours_equal_cpu" in served:
+        r["equal_cpu_seconds"] = ratios(served, "ours_equal_cpu", "speculators")
+    if "ours" in served and "ngram" in served:
+        # n-gram lookup drafts only where the text repeats: compared per target forward, undrafted steps included.
+        r["ours_over_ngram_tokens_per_forward"] = ratios(served, "ours", "ngram", "tokens_per_forward")
+    return r
 
 
 if __name__ == "__main__":

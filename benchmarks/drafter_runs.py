@@ -4,8 +4,10 @@
 drafter) into `dir`, or reuses what is there. `train(...)` trains our drafter on it for
 exactly `settings.steps` optimizer steps into a scratch store beside it (checkpoints go
 under a store) and exports it, timing every step in process CPU seconds. `serve(...)`
-decodes the demo's held-out prompts greedily with the target alone and with each drafter at
-k=3 and k=7, in one vLLM interpreter, and checks that speculative output equals greedy.
+decodes the held-out prompts (the store's, or those given) greedily with the target alone,
+with each drafter at k=3 and k=7, and optionally with vLLM's n-gram prompt lookup at the
+same k, in one vLLM interpreter, and checks that speculative output equals greedy.
+Prompts render as `responses` and `drafter_eval` render them (chat-template kwargs included).
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.defs.demo_run import run_graph
-from eagle3_assets.drafter.evaluate import load_eval_prompts
+from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.hidden_states.sample_file import MANIFEST_NAME, shard_dir
 from eagle3_assets.project import Project
+from eagle3_assets.prompts import Prompt
 from eagle3_assets.settings import Settings, TrainingSettings, demo_settings
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
@@ -116,13 +118,26 @@ def train(project: Project, settings: TrainingSettings, label: str, workdir: Pat
     return Trained(label, r.step, steady(cpu), statistics.fmean(tokens), r.heldout, store.local_path(EXPORT_DIR), cpu)
 
 
-def serve(target: TargetModel, project: Project, drafters: dict[str, Path], max_tokens: int) -> dict[str, dict]:
-    """label -> {"k3": {...}, "k7": {...}}: mean acceptance length, per position, drafts, greedy equality."""
-    tok = load_tokenizer(target)
-    prompt_ids = [generation_prompt_ids(tok, p.messages) for p in load_eval_prompts(project.store)]
-    names = list(drafters)
-    runs = [{}] + [{"draft_dir": drafters[n], "num_speculative_tokens": k} for n in names for k in KS]
-    log(f"serving {len(prompt_ids)} held-out prompts: plain + {len(names)} drafters at k={KS} ({len(runs)} engines)")
+def serve(
+    target: TargetModel,
+    project: Project,
+    drafters: dict[str, Path],
+    max_tokens: int,
+    *,
+    prompts: list[Prompt] | None = None,
+    ngram: tuple[int, int] | None = None,
+) -> dict[str, dict]:
+    """label -> {"k3": {...}, "k7": {...}}: mean acceptance length, per position, drafts, greedy equality.
+    `ngram=(min, max)` adds vLLM's n-gram prompt lookup with that window as the contestant "ngram"."""
+    prompt_ids, _ = eval_prompt_ids(
+        load_tokenizer(target), prompts or load_eval_prompts(project.store), project.settings.generation.chat_template_kwargs
+    )
+    specs = {n: {"draft_dir": d} for n, d in drafters.items()}
+    if ngram is not None:
+        specs["ngram"] = {"method": "ngram", "prompt_lookup_min": ngram[0], "prompt_lookup_max": ngram[1]}
+    names = list(specs)
+    runs = [{}] + [{**specs[n], "num_speculative_tokens": k} for n in names for k in KS]
+    log(f"serving {len(prompt_ids)} held-out prompts: plain + {', '.join(names)} at k={KS} ({len(runs)} engines)")
     plain, *spec = generate_runs_in_subprocess(
         target.path, prompt_ids, runs,
         common={"max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False},
@@ -136,6 +151,7 @@ def serve(target: TargetModel, project: Project, drafters: dict[str, Path], max_
             g = next(results)
             out[n][f"k{k}"] = {
                 "mean_acceptance_length": g.mean_acceptance_length,
+                "tokens_per_forward": g.tokens_per_forward,
                 "acceptance_per_position": g.acceptance_per_position,
                 "num_drafts": g.num_drafts,
                 "outputs_match_greedy": g.outputs == plain.outputs,

@@ -1,12 +1,15 @@
 """The prompt set: JSONL, one prompt per line, validated line by line.
 
 Each line is an object with an optional `id` and either `prompt` (a string) or
-`messages` (a chat ending with a user turn). Errors name the file and line.
+`messages` (a chat ending with a user turn), and optionally `chat_template_kwargs` (an
+object: variables for the chat template of this prompt alone, e.g. `{"enable_thinking":
+false}`, over the run-wide `generation.chat_template_kwargs`). Errors name the file and line.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,16 +30,28 @@ class Prompt:
     id: str
     messages: list[dict[str, Any]]
     extra: dict[str, Any] = field(default_factory=dict)  # other fields (e.g. the demo's `kind`), kept as-is
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def template_kwargs(self, run_wide: Mapping[str, Any]) -> dict[str, Any]:
+        """What the chat template renders this prompt with: the run-wide kwargs, this prompt's over them."""
+        return {**run_wide, **self.chat_template_kwargs}
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "messages": self.messages, **self.extra}
+        kwargs = {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else {}
+        return {"id": self.id, "messages": self.messages, **kwargs, **self.extra}
 
 
 def _parse_line(obj: Any, where: str, lineno: int) -> Prompt:
     if not isinstance(obj, dict):
         raise PromptsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     pid = str(obj.get("id", f"line-{lineno}"))
-    extra = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages"}}
+    extra = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages", "chat_template_kwargs"}}
+    kwargs = obj.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise PromptsError(
+            f"{where} (id {pid}): 'chat_template_kwargs' must be an object (e.g. {{\"enable_thinking\": false}}), "
+            f"got {type(kwargs).__name__}"
+        )
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
@@ -60,7 +75,7 @@ def _parse_line(obj: Any, where: str, lineno: int) -> Prompt:
         messages = [{"role": "user", "content": text}]
     else:
         raise PromptsError(f"{where} (id {pid}): needs a 'prompt' string or a 'messages' list")
-    return Prompt(pid, messages, extra)
+    return Prompt(pid, messages, extra, kwargs)
 
 
 def parse_prompts(text: str, source: str) -> list[Prompt]:

@@ -59,14 +59,26 @@ def _single_token(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
 
 def detect_format(tokenizer: PreTrainedTokenizerBase, setting: str = "auto") -> ReasoningFormat:
     """`generation.reasoning` resolved for this tokenizer: harmony when its channel tokens exist, think when
-    `<think>`/`</think>` are tokens of it, else none. An explicit setting is checked against the tokenizer."""
+    `<think>`/`</think>` are tokens of it, else none.
+
+    An explicit setting that contradicts the tokenizer is refused, naming both: `harmony` without the harmony
+    tokens, and `think` or `none` on a harmony tokenizer (gpt-oss writes every answer in channels: either would
+    count its analysis as answer). `think` is allowed where the tags are not single tokens (they may be several),
+    and `none` on a think tokenizer (a model may carry the tags and never think)."""
     harmony = all(_single_token(tokenizer, t) for t in (*HARMONY.values(), "<|return|>"))
     think = all(_single_token(tokenizer, t) for t in THINK_TAGS)
+    found: ReasoningFormat = "harmony" if harmony else "think" if think else "none"
     if setting == "auto":
-        return "harmony" if harmony else "think" if think else "none"
-    if setting == "harmony" and not harmony:
+        return found
+    if (setting == "harmony") != harmony:
+        have = (
+            "has gpt-oss's harmony tokens (<|channel|>, <|message|>, <|return|>)"
+            if harmony
+            else "has no <|channel|>/<|message|>/<|return|> tokens"
+        )
         raise ReasoningFormatError(
-            "generation.reasoning: 'harmony' but the tokenizer has no <|channel|>/<|message|>/<|return|> tokens"
+            f"generation.reasoning: {setting!r} contradicts the tokenizer, which {have} and reads as {found!r}; "
+            f"set generation.reasoning to {found!r} or 'auto'"
         )
     return setting  # type: ignore[return-value]
 

@@ -3,28 +3,32 @@
 Each row records the prompt exactly as the engine saw it (`prompt_token_ids`: the chat
 template with the generation prompt, rendered once) and exactly what the engine
 produced (`completion_token_ids`, the stop token included when it stopped on one), with
-`finish_reason`: that pair is the training row. The messages keep the answer's text and
-its reasoning apart (`content`, `reasoning_content`) for people, decoded from those ids.
+`finish_reason`: that pair is the training row. `chat_template_kwargs` records what the
+prompt was rendered with: the run-wide kwargs and the prompt's own, merged. The messages
+keep the answer's text and its reasoning apart (`content`, `reasoning_content`) for
+people, decoded from those ids.
 
 Rows are generated in parts of `rows_per_part` prompts; each part is written
 atomically to `responses/parts/part-NNNNN.jsonl`, so a killed run keeps every
 finished part and the rerun generates only what is missing (and retries rows that
 failed). When all parts exist they are joined into `responses/responses.jsonl`.
-A part is trusted only if it parses, holds exactly the prompt ids it should, and was
-written in this format (parts of the earlier, text-only format are regenerated).
+A part is trusted only if it parses, holds exactly the prompt ids it should, rendered with
+the template kwargs they are rendered with now, and was written in this format (parts of
+the earlier, text-only format are regenerated).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_assets.chat import ChatTemplateError, generation_prompt_ids
+from eagle3_assets.chat import ChatTemplateError, check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.generation.base import Generated, Generator
 from eagle3_assets.prompts import Prompt
@@ -76,6 +80,7 @@ class ResponsesSummary:
     bytes: int
     seconds: float
     first_errors: list[str]
+    modes: dict[str, int]  # rows per set of chat-template kwargs ('{}' = the template's defaults)
 
     def as_metadata(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,12 +98,16 @@ class Renderer:
     reasoning: ReasoningFormat
     stop_token_ids: set[int]
     max_seq_len: int  # a prompt this long leaves no room for an answer in a training row
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # run-wide; a prompt's own go over them
+
+    def template_kwargs(self, prompt: Prompt) -> dict[str, Any]:
+        return prompt.template_kwargs(self.chat_template_kwargs)
 
 
 def render(prompt: Prompt, renderer: Renderer) -> list[int] | str:
     """The prompt's token ids, or why it cannot be generated (its error)."""
     try:
-        ids = generation_prompt_ids(renderer.tokenizer, prompt.messages)
+        ids = generation_prompt_ids(renderer.tokenizer, prompt.messages, renderer.template_kwargs(prompt))
     except ChatTemplateError as e:
         return str(e)
     if len(ids) >= renderer.max_seq_len:
@@ -122,6 +131,7 @@ def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: G
         "id": prompt.id,
         "row": row,
         "messages": messages,
+        "chat_template_kwargs": renderer.template_kwargs(prompt),
         "prompt_token_ids": prompt_ids or [],
         "completion_token_ids": g.completion_token_ids,
         "finish_reason": g.finish_reason,
@@ -135,15 +145,19 @@ def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: G
     }
 
 
-def _read_part(store: ArtifactStore, index: int, expected_ids: list[str]) -> list[dict[str, Any]] | None:
-    """The part's records if it is complete and matches the prompts, else None (it will be regenerated)."""
+def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: Renderer) -> list[dict[str, Any]] | None:
+    """The part's records if it is complete and matches the prompts and their template kwargs, else None
+    (it will be regenerated)."""
     if not store.exists(part_path(index)):
         return None
     try:
         records = [json.loads(line) for line in store.read_text(part_path(index)).splitlines()]
     except (ValueError, UnicodeDecodeError):
         return None
-    if [r.get("id") for r in records] != expected_ids or not all(all(f in r for f in TOKEN_FIELDS) for r in records):
+    expected = [(p.id, renderer.template_kwargs(p)) for p in chunk]
+    if [(r.get("id"), r.get("chat_template_kwargs", {})) for r in records] != expected:
+        return None
+    if not all(all(f in r for f in TOKEN_FIELDS) for r in records):
         return None
     return records
 
@@ -159,6 +173,7 @@ def generate_responses(
     log: Callable[[str], None] = lambda _: None,
 ) -> ResponsesSummary:
     started = time.monotonic()
+    check_template_kwargs(renderer.tokenizer, prompts, renderer.chat_template_kwargs)
     store.remove_temporaries(PARTS_DIR)
     size = settings.rows_per_part
     num_parts = (len(prompts) + size - 1) // size
@@ -170,7 +185,7 @@ def generate_responses(
     for index in range(num_parts):
         first = index * size
         chunk = prompts[first : first + size]
-        records = _read_part(store, index, [p.id for p in chunk])
+        records = _read_part(store, index, chunk, renderer)
         redo = list(range(len(chunk))) if records is None else [i for i, r in enumerate(records) if r.get("error")]
         if records is not None:
             reused += len(chunk) - len(redo)
@@ -202,6 +217,7 @@ def _join_parts(
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
     errors: list[str] = []
     finish_length = 0
+    modes: Counter[str] = Counter()
     for index in range(num_parts):
         for line in store.read_text(part_path(index)).splitlines():
             record = json.loads(line)
@@ -210,6 +226,7 @@ def _join_parts(
             if record.get("error"):
                 errors.append(f"row {record['row']} (id {record['id']}): {record['error']}")
             finish_length += record["finish_reason"] == "length"
+            modes[mode_label(record.get("chat_template_kwargs", {}))] += 1
             lines.append(line + "\n")
     nbytes = store.write_text(RESPONSES_FILE, "".join(lines))
     summary = ResponsesSummary(
@@ -221,6 +238,7 @@ def _join_parts(
         finish_length=finish_length,
         seconds=round(time.monotonic() - started, 3),
         first_errors=errors[:5],
+        modes=dict(modes),
         **totals,
     )
     rate = len(errors) / max(1, len(lines))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import fsspec
 import yaml
@@ -45,6 +45,11 @@ class GenerationSettings(_Section):
         "auto",
         description="how the target marks its reasoning: <think>...</think>, gpt-oss harmony channels, or none; "
         "auto = from the tokenizer's tokens",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra variables for the chat template of every prompt (e.g. {enable_thinking: false}); a "
+        "prompt line's own `chat_template_kwargs` override these per key; a name the template never reads is refused",
     )
 
 

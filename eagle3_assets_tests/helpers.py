@@ -251,3 +251,22 @@ class Operator:
         with self.instance() as instance:
             job = build_definitions(self.project).resolve_implicit_global_asset_job_def()
             assert job.execute_in_process(instance=instance, asset_selection=[AssetKey(k) for k in keys]).success
+
+
+def hybrid_demo_tokenizer(target: TargetModel):
+    """The target's tokenizer with Qwen3's hybrid switch in its chat template: `enable_thinking: false` closes an
+    empty think block in the generation prompt. The engine only sees ids, so any backend serves it as is."""
+    import copy
+
+    from eagle3_assets.demo.tokenizer import CHAT_TEMPLATE
+    from eagle3_assets.target import load_tokenizer
+
+    plain = "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    assert plain in CHAT_TEMPLATE
+    tok = copy.deepcopy(load_tokenizer(target))
+    tok.chat_template = CHAT_TEMPLATE.replace(
+        plain,
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+        "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think></think>' }}{% endif %}{% endif %}",
+    )
+    return tok

@@ -130,13 +130,29 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(served_t
     assert spec.mean_acceptance_length > 2.5, spec.to_json()
     assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)
 
-    zeroed = generate_in_subprocess(
-        target_dir, prompts, draft_dir=export_dir, num_speculative_tokens=K, max_tokens=SERVED, zero_fc=True
-    )
-    assert zeroed.outputs == spec.outputs
+    groups = ["b" if i % 3 else "a" for i in range(len(prompts))]  # two "modes", as drafter_eval groups them
+    zeroed, ngram = generate_runs_in_subprocess(
+        target_dir, prompts,
+        [{"draft_dir": export_dir, "zero_fc": True, "groups": groups},
+         {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}],
+        common={"num_speculative_tokens": K, "max_tokens": SERVED},
+    )  # fmt: skip
+    assert zeroed.outputs == spec.outputs == ngram.outputs
     # The same drafter without the target features is accepted far less: vLLM feeds the
     # features it was trained on.
     assert zeroed.mean_acceptance_length < spec.mean_acceptance_length - 0.5, (zeroed.to_json(), spec.to_json())
+    # Per group, one generate call each on the same engine: the groups' counters and outputs make up the whole.
+    assert list(zeroed.by_group) == ["a", "b"]
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(getattr(g, name) for g in zeroed.by_group.values()) == getattr(zeroed, name)
+    assert zeroed.by_group["b"].outputs == [o for o, g in zip(zeroed.outputs, groups, strict=True) if g == "b"]
+    # n-gram prompt lookup (vLLM's `ngram`, nothing trained) keeps greedy output; it drafts only where the text
+    # repeats an n-gram, at most k tokens (fewer where the match is near the end), so its per-draft acceptance
+    # skips the undrafted steps: tokens per target forward counts them.
+    assert ngram.num_drafts > 0 and ngram.num_draft_tokens <= K * ngram.num_drafts, ngram.to_json()
+    served = sum(map(len, ngram.outputs))
+    assert ngram.tokens_per_forward == served / (served - ngram.num_accepted_tokens) < ngram.mean_acceptance_length
+    assert not ngram.by_group
 
 
 OPTIONS = {

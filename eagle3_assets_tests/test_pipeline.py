@@ -78,6 +78,7 @@ def test_the_five_assets_materialize_with_metadata(pipeline):
     assert latest_metadata(instance, "target_model")["num_layers"] == 4
     resp = latest_metadata(instance, "responses")
     assert (resp["rows"], resp["rows_failed"], resp["rows_generated"]) == (45, 0, 45)
+    assert resp["modes"] == {"{}": 45}  # no chat-template kwargs: every row rendered with the template's defaults
     tok = latest_metadata(instance, "tokenized")
     assert (tok["rows"], tok["shards"], tok["tokens"]) == (45, 3, tset.num_tokens)
     assert latest_metadata(instance, "vocab_map")["draft_vocab_size"] == 64

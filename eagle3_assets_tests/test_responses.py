@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.chat import TemplateKwargsError, generation_prompt_ids
 from eagle3_assets.generation.hf import HFGenerator
 from eagle3_assets.prompts import Prompt
 from eagle3_assets.reasoning import detect_format
@@ -10,6 +10,8 @@ from eagle3_assets.responses import RESPONSES_FILE, Renderer, ResponsesError, ge
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
+
+from .helpers import hybrid_demo_tokenizer
 
 pytestmark = pytest.mark.slow  # generates with a model
 
@@ -102,3 +104,24 @@ def test_failed_rows_are_recorded_named_and_retried(tmp_path, generator, rendere
         generate_responses(store, prompts, generator, renderer, strict)
     # nothing lost: the file still holds every row, and only the failed row was retried
     assert [json.loads(line)["id"] for line in store.read_text(RESPONSES_FILE).splitlines()] == ["p0", "p1", "p2", "long"]
+
+
+def test_parts_rendered_with_other_template_kwargs_are_regenerated_and_an_unread_kwarg_is_refused(
+    tmp_path, generator, target, renderer
+):
+    store = ArtifactStore(tmp_path / "root")
+    prompts = make_prompts(4)
+    tok = hybrid_demo_tokenizer(target)
+    thinking = Renderer(tok, renderer.reasoning, renderer.stop_token_ids, 256)
+    assert generate_responses(store, prompts, generator, thinking, SETTINGS).modes == {"{}": 4}
+    off = Renderer(tok, renderer.reasoning, renderer.stop_token_ids, 256, {"enable_thinking": False})
+    summary = generate_responses(store, prompts, generator, off, SETTINGS)
+    assert (summary.rows_reused, summary.rows_generated, summary.modes) == (0, 4, {'{"enable_thinking": false}': 4})
+    for r in read_responses(store):
+        assert r["chat_template_kwargs"] == {"enable_thinking": False}
+        assert tok.decode(r["prompt_token_ids"]).endswith("<|assistant|><think></think>")
+    # The demo's own template never reads it: refused before anything is generated.
+    plain = Renderer(renderer.tokenizer, renderer.reasoning, renderer.stop_token_ids, 256, {"enable_thinking": False})
+    with pytest.raises(TemplateKwargsError, match=r"^generation.chat_template_kwargs: chat_template_kwargs 'enable_thi"):
+        generate_responses(ArtifactStore(tmp_path / "other"), prompts, generator, plain, SETTINGS)
+    assert not ArtifactStore(tmp_path / "other").exists("responses")

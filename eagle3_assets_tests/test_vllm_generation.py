@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from eagle3_assets.demo.tokenizer import END, THINK_CLOSE, TOKEN_IDS
+from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.demo.tokenizer import END, THINK_CLOSE, THINK_OPEN, TOKEN_IDS
 from eagle3_assets.generation import open_generator
 from eagle3_assets.generation.base import Generated
 from eagle3_assets.generation.hf import HFGenerator
@@ -30,7 +31,7 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
 from eagle3_assets.vllm_server.client import port_in_use
 
-from .helpers import small_kv_cache, vllm_test_settings
+from .helpers import hybrid_demo_tokenizer, small_kv_cache, vllm_test_settings
 from .vllm_helpers import MAX_NEW_TOKENS, confident_target, conversations, hf_greedy, prompt_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -105,6 +106,36 @@ def test_both_backends_write_the_same_records_through_responses(generator, targe
         else:  # no think block was opened, in the prompt or the output: all answer
             assert r["usage"]["reasoning_tokens"] == 0 and r["messages"][-1]["reasoning_content"] == ""
             assert r["messages"][-1]["content"] == renderer.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_mixed_mode_prompt_set_renders_each_mode_for_both_backends(generator, target, renderer):
+    """Run-wide thinking off, every other prompt back on: each row is rendered and recorded in its own mode,
+    and both engines complete exactly those ids."""
+    tok = hybrid_demo_tokenizer(target)
+    modal = Renderer(tok, renderer.reasoning, renderer.stop_token_ids, MAX_MODEL_LEN, {"enable_thinking": False})
+    prompts = [
+        Prompt(f"p{i}-{mode}", m, chat_template_kwargs={"enable_thinking": True} if mode == "on" else {})
+        for i, m in enumerate(conversations()[:3])
+        for mode in ("off", "on")
+    ]
+    by_backend = {}
+    hf = HFGenerator(target, GEN.model_copy(update={"backend": "hf"}), device=torch.device("cpu"))
+    try:
+        for name, gen in (("vllm", generator), ("hf", hf)):
+            summary = generate_responses(ArtifactStore(f"memory://vllm-gen-modes-{name}"), prompts, gen, modal, GEN)
+            assert summary.modes == {'{"enable_thinking": false}': 3, '{"enable_thinking": true}': 3}
+            by_backend[name] = read_responses(ArtifactStore(f"memory://vllm-gen-modes-{name}"))
+    finally:
+        hf.close()
+    assert by_backend["vllm"] == by_backend["hf"]
+    records = by_backend["vllm"]
+    for p, r in zip(prompts, records, strict=True):
+        off = p.id.endswith("off")
+        assert r["chat_template_kwargs"] == {"enable_thinking": not off}
+        assert r["prompt_token_ids"] == generation_prompt_ids(tok, p.messages, r["chat_template_kwargs"])
+        assert (r["prompt_token_ids"][-2:] == [TOKEN_IDS[THINK_OPEN], TOKEN_IDS[THINK_CLOSE]]) is off
+    # The engines answered the mode's ids: the same conversation is answered differently in the two modes.
+    assert any(a["completion_token_ids"] != b["completion_token_ids"] for a, b in zip(records[::2], records[1::2]))
 
 
 def test_a_rejected_row_fails_alone(generator):

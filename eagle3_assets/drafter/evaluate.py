@@ -8,24 +8,33 @@ equal plain greedy output; mean acceptance length with features over without is 
 The plain greedy answers are then scored by the training objective, acc_k per token
 class (`token_accuracy`): fact tokens, which only the target's state can predict,
 against template tokens, which the text predicts.
+
+Each prompt is rendered as `responses` renders it: with the run-wide
+`generation.chat_template_kwargs` and its own over them. Prompts of one mode (one set of
+kwargs, e.g. thinking on and off) are decoded together and the acceptance is also
+reported per mode (`acceptance_by_mode`): a drafter serving a hybrid target is scored
+on each mode it will serve.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
-from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_runs_in_subprocess
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
@@ -47,11 +56,29 @@ class EvalReport:
     max_tokens: int
     acceptance: dict[str, float] = field(default_factory=dict)  # "k3" -> mean acceptance length
     acceptance_zeroed: dict[str, float] = field(default_factory=dict)  # features zeroed
+    modes: dict[str, int] = field(default_factory=dict)  # chat-template kwargs (mode_label) -> prompts
+    acceptance_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)  # mode -> "k3" -> acceptance
     per_position: dict[str, list[float]] = field(default_factory=dict)
     heldout_training_metrics: dict[str, float] = field(default_factory=dict)
     token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
     off_reference: list[str] = field(default_factory=list)  # prompt ids answered unlike their reference
     mismatches: list[dict] = field(default_factory=list)
+
+    def add_run(
+        self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None]
+    ) -> None:
+        """One speculative run's acceptance (overall, per position and per mode) and its outputs against greedy."""
+        label = f"k={k}" + (" features zeroed" if zeroed else "")
+        log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
+        (self.acceptance_zeroed if zeroed else self.acceptance)[f"k{k}"] = spec.mean_acceptance_length
+        if not zeroed:
+            self.per_position[f"k{k}"] = spec.acceptance_per_position
+            for mode, part in spec.by_group.items():
+                self.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
+                log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
+        for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
+            if a != b:
+                self.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
 
     @property
     def outputs_match(self) -> bool:
@@ -68,6 +95,10 @@ class EvalReport:
             meta[f"mean_acceptance_length_k{k}_features_zeroed"] = round(self.acceptance_zeroed[f"k{k}"], 4)
             meta[f"feature_gain_k{k}"] = round(self.feature_gain(k), 4)
             meta[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in self.per_position[f"k{k}"]]
+        meta["prompts_by_mode"] = self.modes
+        meta["mean_acceptance_length_by_mode"] = {
+            mode: {k: round(v, 4) for k, v in acc.items()} for mode, acc in self.acceptance_by_mode.items()
+        }
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
         for c, acc in self.token_accuracy.items():
             if not acc.predictions[0]:
@@ -119,6 +150,18 @@ def token_class_accuracy(
     return accuracy, off_reference
 
 
+def eval_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], run_wide: Mapping[str, Any]
+) -> tuple[list[list[int]], list[str]]:
+    """Each eval prompt's ids as `responses` renders a prompt (its template kwargs over the run-wide ones), and its
+    mode (`mode_label` of those kwargs); a kwarg the template ignores is refused as `responses` refuses it."""
+    check_template_kwargs(tokenizer, prompts, run_wide)
+    kwargs = [p.template_kwargs(run_wide) for p in prompts]
+    return [generation_prompt_ids(tokenizer, p.messages, kw) for p, kw in zip(prompts, kwargs, strict=True)], [
+        mode_label(kw) for kw in kwargs
+    ]
+
+
 def evaluate_drafter(
     store: ArtifactStore,
     target: TargetModel,
@@ -130,10 +173,10 @@ def evaluate_drafter(
     """Serve the export with the target on the held-out prompts; writes `drafter_eval/report.json`."""
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
-    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
+    prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
     max_tokens = max_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
-    report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens)
+    report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)))
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
         export_dir = Path(tmp) / "export"
         store_export = store.local_path(EXPORT_DIR)
@@ -151,17 +194,10 @@ def evaluate_drafter(
             target.path,
             prompt_ids,
             [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants],
-            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False},
+            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
         )
         for (k, zeroed), spec in zip(variants, speculative, strict=True):
-            label = f"k={k}" + (" features zeroed" if zeroed else "")
-            log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
-            (report.acceptance_zeroed if zeroed else report.acceptance)[f"k{k}"] = spec.mean_acceptance_length
-            if not zeroed:
-                report.per_position[f"k{k}"] = spec.acceptance_per_position
-            for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
-                if a != b:
-                    report.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
+            report.add_run(k, zeroed, plain, spec, log)
         log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
         report.token_accuracy, report.off_reference = token_class_accuracy(
             target, settings, export_dir, prompts, prompt_ids, plain.outputs

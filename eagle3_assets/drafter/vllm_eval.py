@@ -8,11 +8,18 @@ Dagster asset or a test should call; `generate_runs_in_subprocess(...)` runs sev
 settings there one after another, paying for vLLM's import once (~14 s on CPU).
 
 Acceptance (vLLM's spec-decode counters): mean acceptance length = 1 + accepted /
-drafts (tokens produced per target forward), and per position i the share of drafts
-whose i-th draft token was accepted.
+drafts (tokens produced per target forward that drafted), and per position i the share
+of drafts whose i-th draft token was accepted. `tokens_per_forward` also counts the
+forwards that drafted nothing (the prefill, and every step n-gram lookup finds no match).
 
 `zero_fc=True` serves a copy of the export with `fc.weight` zeroed: the drafter then
 sees no target features at all, the baseline that shows what the features buy.
+`method="ngram"` drafts by prompt lookup instead (vLLM's `ngram` proposer: the k tokens
+that followed the latest earlier occurrence of the longest suffix n-gram, n between
+`prompt_lookup_min` and `prompt_lookup_max`), the floor that costs no training.
+
+`groups` (one label per prompt) decodes each group with its own `generate` call on the
+same engine and reads the counters per group (`by_group`): acceptance per serving mode.
 """
 
 from __future__ import annotations
@@ -42,10 +49,19 @@ class GenerationResult:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    by_group: dict[str, GenerationResult] = field(default_factory=dict)  # label -> that group's prompts alone
 
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens generated per target forward, steps without a draft included: every forward yields one token plus
+        the drafts it accepted. A method that drafts only sometimes (ngram) is compared on this, not on the mean
+        acceptance length, which counts the steps that drafted."""
+        served = sum(map(len, self.outputs))
+        return served / (served - self.num_accepted_tokens) if served > self.num_accepted_tokens else 1.0
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -53,9 +69,11 @@ class GenerationResult:
 
     def to_json(self) -> dict:
         return {
-            **asdict(self),
+            **{k: v for k, v in asdict(self).items() if k != "by_group"},
+            "by_group": {label: g.to_json() for label, g in self.by_group.items()},
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
+            "tokens_per_forward": self.tokens_per_forward,
         }
 
     @classmethod
@@ -66,6 +84,17 @@ class GenerationResult:
             num_draft_tokens=d["num_draft_tokens"],
             num_accepted_tokens=d["num_accepted_tokens"],
             accepted_per_position=d["accepted_per_position"],
+            by_group={label: cls.from_json(g) for label, g in d.get("by_group", {}).items()},
+        )
+
+    @classmethod
+    def from_counters(cls, outputs: list[list[int]], counters: dict[str, object]) -> GenerationResult:
+        return cls(
+            outputs=outputs,
+            num_drafts=int(counters.get("num_drafts", 0)),  # type: ignore[arg-type]
+            num_draft_tokens=int(counters.get("num_draft_tokens", 0)),  # type: ignore[arg-type]
+            num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),  # type: ignore[arg-type]
+            accepted_per_position=[int(x) for x in counters.get("num_accepted_tokens_per_pos", [])],  # type: ignore[union-attr]
         )
 
 
@@ -118,20 +147,32 @@ def generate(
     num_speculative_tokens: int = 3,
     max_tokens: int = 32,
     zero_fc: bool = False,
+    method: str = "eagle3",
+    prompt_lookup_min: int | None = None,
+    prompt_lookup_max: int | None = None,
+    groups: Sequence[str] | None = None,
     dtype: str = "float32",
     max_model_len: int | None = None,
     ignore_eos: bool = True,
     enforce_eager: bool = True,
 ) -> GenerationResult:
-    """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given."""
+    """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given, or
+    n-gram prompt lookup with `method="ngram"`."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     with tempfile.TemporaryDirectory(prefix="drafter-zero-fc-") as tmp:
         spec = None
-        if draft_dir is not None:
+        if method == "ngram":
+            spec = {
+                "method": "ngram",
+                "num_speculative_tokens": num_speculative_tokens,
+                "prompt_lookup_min": prompt_lookup_min,
+                "prompt_lookup_max": prompt_lookup_max,
+            }
+        elif draft_dir is not None:
             model_dir = zero_fc_copy(draft_dir, tmp) if zero_fc else Path(draft_dir)
-            spec = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": num_speculative_tokens}
+            spec = {"method": method, "model": str(model_dir), "num_speculative_tokens": num_speculative_tokens}
         llm = LLM(
             model=str(target_dir),
             speculative_config=spec,
@@ -143,21 +184,35 @@ def generate(
         )
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-            before = _spec_counters(llm.get_metrics())
             token_prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
-            outs = llm.generate(token_prompts, params, use_tqdm=False)
-            counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
+            labels = list(groups) if groups is not None else [""] * len(prompts)
+            if len(labels) != len(prompts):
+                raise ValueError(f"{len(labels)} group labels for {len(prompts)} prompts")
+            outputs: list[list[int]] = [[] for _ in prompts]
+            by_group: dict[str, GenerationResult] = {}
+            for label in dict.fromkeys(labels):
+                members = [i for i, g in enumerate(labels) if g == label]
+                before = _spec_counters(llm.get_metrics())
+                outs = llm.generate([token_prompts[i] for i in members], params, use_tqdm=False)
+                counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
+                by_group[label] = GenerationResult.from_counters([list(o.outputs[0].token_ids) for o in outs], counters)
+                for i, o in zip(members, by_group[label].outputs, strict=True):
+                    outputs[i] = o
         finally:
             # Stop the engine's worker process now, so the next engine in this process gets the CPU and memory.
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+    parts = list(by_group.values())
+    per_position = [sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
+                    for i in range(max((len(p.accepted_per_position) for p in parts), default=0))]  # fmt: skip
     return GenerationResult(
-        outputs=[list(o.outputs[0].token_ids) for o in outs],
-        num_drafts=int(counters.get("num_drafts", 0)),  # type: ignore[arg-type]
-        num_draft_tokens=int(counters.get("num_draft_tokens", 0)),  # type: ignore[arg-type]
-        num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),  # type: ignore[arg-type]
-        accepted_per_position=[int(x) for x in counters.get("num_accepted_tokens_per_pos", [])],  # type: ignore[union-attr]
+        outputs=outputs,
+        num_drafts=sum(p.num_drafts for p in parts),
+        num_draft_tokens=sum(p.num_draft_tokens for p in parts),
+        num_accepted_tokens=sum(p.num_accepted_tokens for p in parts),
+        accepted_per_position=per_position,
+        by_group=by_group if groups is not None else {},
     )
 
 

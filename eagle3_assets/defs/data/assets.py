@@ -145,7 +145,11 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         target = project.target()
         tokenizer = load_tokenizer(target)
         renderer = Renderer(
-            tokenizer, detect_format(tokenizer, settings.generation.reasoning), stop_token_ids(target), settings.max_seq_len
+            tokenizer,
+            detect_format(tokenizer, settings.generation.reasoning),
+            stop_token_ids(target),
+            settings.max_seq_len,
+            settings.generation.chat_template_kwargs,
         )
         generator = open_generator(target, settings.generation, settings.vllm)
         try:
