@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from fractions import Fraction
 
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
@@ -440,6 +441,7 @@ def run_shard(
             tally.bytes_written += _write_sample(store, tokenized, shard, sample, spec, extractor.backend)
         tally.tokens_computed += pending.pop(sample.row)
         tally.computed += 1
+        crash_point(f"extracted:{key}:{tally.computed}")
         now = clock()
         if on_progress is not None and now - last_emit >= settings.progress_interval_s:
             on_progress(tally.progress(now, free=free_now(), final=False))
