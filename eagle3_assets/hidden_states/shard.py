@@ -33,6 +33,7 @@ from fractions import Fraction
 
 from eagle3_assets.crash_points import crash_point
 from eagle3_assets.errors import Eagle3Error, Refusal
+from eagle3_assets.figures import duration
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
 from eagle3_assets.hidden_states.sample_file import (
@@ -98,6 +99,16 @@ class ExtractionProgress:
     projected_bytes_all_shards: int | None  # every token of the tokenized set x bytes_per_token
     free_bytes: int | None  # None: unknown (object/memory store)
     final: bool
+
+    def summary(self) -> str:
+        """The figures a person watching the log needs, on one line."""
+        eta = "unknown" if self.eta_s is None else duration(self.eta_s)
+        free = "" if self.free_bytes is None else f", {_gb(self.free_bytes)} free"
+        return (
+            f"shard {self.shard}: {self.samples_done}/{self.samples_total} samples ({self.samples_skipped} kept), "
+            f"{self.samples_per_s:.2f} samples/s, {self.tokens_per_s:,.0f} tokens/s, {_gb(self.bytes_written)} written, "
+            f"ETA {eta}{free}"
+        )
 
     def as_metadata(self) -> dict[str, float | int]:
         """A flat dict of numbers; unknown figures are left out rather than sent as None."""
