@@ -13,6 +13,7 @@ against template tokens, which the text predicts.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,11 +26,11 @@ from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
-from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_runs_in_subprocess
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
-from eagle3_assets.settings import Settings
+from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
 
@@ -119,6 +120,11 @@ def token_class_accuracy(
     return accuracy, off_reference
 
 
+def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, max_tokens: int) -> float:
+    """Engine loads plus decoding at the slowest rate accepted, for every pass: the timeout grows with the work."""
+    return passes * (settings.engine_load_s + prompts * max_tokens / settings.min_tokens_per_s)
+
+
 def evaluate_drafter(
     store: ArtifactStore,
     target: TargetModel,
@@ -131,7 +137,7 @@ def evaluate_drafter(
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
     prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
-    max_tokens = max_tokens or settings.generation.max_new_tokens
+    max_tokens = max_tokens or settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
     report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens)
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
@@ -143,19 +149,28 @@ def evaluate_drafter(
             export_dir = store_export
 
         variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
+        labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
+        timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
         log(
-            f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM, plain and with the drafter "
-            f"at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, then zeroed)"
+            f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM ({max_tokens} tokens each), "
+            f"plain and with the drafter at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, "
+            f"then zeroed): {len(labels)} passes, timeout {timeout_s:.0f}s"
         )
+        started = time.monotonic()
+
+        def on_result(i: int, result: GenerationResult) -> None:
+            accepted = "" if i == 0 else f", mean acceptance length {result.mean_acceptance_length:.3f}"
+            log(f"drafter_eval: pass {i + 1}/{len(labels)} ({labels[i]}) done at {time.monotonic() - started:.0f}s{accepted}")
+
         plain, *speculative = generate_runs_in_subprocess(
             target.path,
             prompt_ids,
             [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants],
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False},
+            timeout_s=timeout_s,
+            on_result=on_result,
         )
-        for (k, zeroed), spec in zip(variants, speculative, strict=True):
-            label = f"k={k}" + (" features zeroed" if zeroed else "")
-            log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
+        for (k, zeroed), label, spec in zip(variants, labels[1:], speculative, strict=True):
             (report.acceptance_zeroed if zeroed else report.acceptance)[f"k{k}"] = spec.mean_acceptance_length
             if not zeroed:
                 report.per_position[f"k{k}"] = spec.acceptance_per_position
