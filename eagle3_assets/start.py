@@ -10,6 +10,12 @@ materialized after `tokenized`, its files are complete and `shard_integrity` pas
 A setting is not an input Dagster sees: after changing one, `--from ASSET` redoes ASSET and
 everything after it.
 
+With a `vllm` backend and no server configured, each phase that has work shares one vLLM
+server, started when the phase starts and stopped when it ends (generation for the data
+assets, extraction for the shards): the model loads once per phase, not once per run. A
+server named in `vllm.server_url(s)` is used and left alone. `drafter_eval` loads its own
+engines (each pass serves another drafter setting).
+
     python -m eagle3_assets.start                    # start, or resume
     python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
     python -m eagle3_assets.start --shard rows_0-2000 [--shard …]   # (re)extract the named shards only
@@ -21,7 +27,9 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions
 from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
@@ -32,8 +40,12 @@ from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.project import Project
 
+if TYPE_CHECKING:
+    from eagle3_assets.vllm_server.command import Role
+
 LAUNCHED_BY = "eagle3/launched_by"
 TOKENIZED = AssetKey("tokenized")
+RESPONSES = AssetKey("responses")
 AFTER_SHARDS = [AssetKey("drafter"), AssetKey("drafter_eval")]
 THROUGH = ("hidden_states", "drafter", "drafter_eval")
 
@@ -47,8 +59,17 @@ def _say(line: str) -> None:
 class GraphStart:
     """The graph, its instance and its project; `run()` takes it as far as `through`."""
 
-    def __init__(self, defs: Definitions, instance: DagsterInstance, project: Project, *, log: Log = _say):
-        self.defs, self.instance, self.project, self.log = defs, instance, project, log
+    def __init__(
+        self,
+        defs: Definitions,
+        instance: DagsterInstance,
+        project: Project,
+        *,
+        build: Callable[[Project], Definitions] | None = None,
+        log: Log = _say,
+    ):
+        """`build` makes the definitions for a project whose settings name a phase's shared server."""
+        self.defs, self.instance, self.project, self.build, self.log = defs, instance, project, build, log
         self.graph: AssetGraph = defs.resolve_asset_graph()
         self.job = defs.resolve_implicit_global_asset_job_def()
 
@@ -112,6 +133,32 @@ class GraphStart:
         self.log(f"{label}: {status} in {time.monotonic() - started:.1f}s (run {result.run_id})")
         return result.success
 
+    @contextmanager
+    def engine(self, role: Role) -> Iterator[None]:
+        """The phase's runs share one vLLM server, started here and stopped when the phase ends; nothing
+        when the phase's backend is not vllm, a server is configured, or no `build` was given."""
+        settings = self.project.settings
+        backend = settings.generation.backend if role == "generate" else settings.extraction.backend
+        if backend != "vllm" or settings.vllm.extraction_urls or self.build is None:
+            yield
+            return
+        from eagle3_assets.vllm_server.server import VllmServer
+
+        local_root = self.project.store.local_path("")
+        self.log(f"vLLM ({role}): starting one server for this phase")
+        job = self.job
+        with VllmServer.start(
+            self.project.target(), settings.vllm, role, write_roots=[str(local_root)] if local_root else []
+        ) as server:
+            self.log(f"vLLM ({role}): ready at {server.url}; every run of this phase uses it")
+            shared = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"server_url": server.url})})
+            self.job = self.build(Project(shared, self.project.store)).resolve_implicit_global_asset_job_def()
+            try:
+                yield
+            finally:
+                self.job = job
+        self.log(f"vLLM ({role}): stopped")
+
     def _todo(self, keys: list[AssetKey], redo: set[AssetKey]) -> list[AssetKey]:
         """`keys` (in graph order) that must run: unfinished or forced, or after one that runs."""
         todo: list[AssetKey] = []
@@ -132,12 +179,15 @@ class GraphStart:
         redo = set() if redo_from is None else AssetSelection.assets(redo_from).downstream().resolve(self.graph)
         data = [k for k in order if k != HIDDEN_STATES and k not in AFTER_SHARDS]
         todo = self._todo(data, redo)
-        if todo and not self.launch(todo):
-            return False
+        if todo:
+            with self.engine("generate") if RESPONSES in todo else nullcontext():
+                if not self.launch(todo):
+                    return False
         states = self.shard_states()
         shards = [k for k, state in states.items() if state != "done" or HIDDEN_STATES in redo]
         self.log(f"{len(states)} shards registered, {len(states) - len(shards)} finished, {len(shards)} to run")
-        failed = [key for key in shards if not self.launch([HIDDEN_STATES], key)]
+        with self.engine("extract") if shards else nullcontext():
+            failed = [key for key in shards if not self.launch([HIDDEN_STATES], key)]
         if failed:
             self.log(f"shards failed: {', '.join(failed)}; run the same command again to resume them")
             return False
@@ -152,7 +202,8 @@ class GraphStart:
 
     def run_shards(self, keys: Sequence[str]) -> bool:
         require_shard_keys(self.instance, list(keys))
-        return all([self.launch([HIDDEN_STATES], key) for key in keys])  # every one, even after a failure
+        with self.engine("extract"):
+            return all([self.launch([HIDDEN_STATES], key) for key in keys])  # every one, even after a failure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.environ.get("DAGSTER_HOME"):
         print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
         return 2
-    from eagle3_assets.definitions import defs
+    from eagle3_assets.definitions import build_definitions, defs
 
     project = defs.resources["project"]
     keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
@@ -181,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
         return 2
     with DagsterInstance.get() as instance:
-        start = GraphStart(defs, instance, project)
+        start = GraphStart(defs, instance, project, build=build_definitions)
         if args.list_shards:
             for key, state in start.shard_states().items():
                 print(f"{key}\t{state}")
