@@ -38,6 +38,7 @@ from eagle3_assets.defs.drafter.assets import unusable_shards
 from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.project import Project
 
 if TYPE_CHECKING:
@@ -242,9 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ok = start.run_shards(args.shard) if args.shard else start.run(
                 through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
             )  # fmt: skip
-        except UnknownShardKey as e:
-            print(e, file=sys.stderr)
-            return 2
+        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start
+            print(f"error: {e}", file=sys.stderr)
+            return 2 if isinstance(e, UnknownShardKey) else 1
         if not ok:
             return 1
         _say(f"finished in {time.monotonic() - began:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")

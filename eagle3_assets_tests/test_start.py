@@ -27,7 +27,7 @@ def test_killed_mid_shard_the_same_command_resumes_and_redoes_nothing(tmp_path, 
     assert listed.stdout.splitlines() == ["rows_0-20\tdone", "rows_20-40\tnever materialized", "rows_40-45\tnever materialized"]
     wrong = op.start("--shard", "rows_40-50")
     assert wrong.returncode == 2
-    assert "unknown shard key(s) rows_40-50; the registered shard keys are: rows_0-20, rows_20-40, rows_40-45" in wrong.stderr
+    assert "error: unknown shard key(s) rows_40-50; the registered shard keys are: rows_0-20, rows_20-40, rows_40-45" in wrong.stderr
 
     resumed = op.start("--through", "drafter")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
