@@ -65,3 +65,42 @@ def test_killed_mid_shard_the_same_command_resumes_and_redoes_nothing(tmp_path, 
     redo = op.start("--through", "drafter", "--from", "vocab_map")
     assert "vocab_map: to run (redo asked (--from))" in redo.stdout and "drafter: to run (redo asked (--from))" in redo.stdout
     assert "3 shards registered, 3 finished, 0 to run" in redo.stdout
+
+
+@pytest.mark.vllm
+def test_each_phase_shares_one_vllm_server_started_and_stopped_with_the_phase(tmp_path, tiny_target_dir):
+    from eagle3_assets.settings import ExtractionSettings, GenerationSettings
+    from eagle3_assets.vllm_server.client import port_in_use
+
+    from .helpers import small_kv_cache, vllm_test_settings
+
+    vllm = vllm_test_settings()
+    with small_kv_cache():
+        op = Operator(
+            tmp_path, tiny_target_dir, vllm=vllm,
+            generation=GenerationSettings(backend="vllm", max_new_tokens=8, rows_per_part=16),
+            extraction=ExtractionSettings(backend="vllm", progress_interval_s=0.01),
+        )  # fmt: skip
+    done = op.start("--through", "hidden_states")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    url = f"http://127.0.0.1:{vllm.port}"
+    lines = started(done.stdout)
+    # No server in the YAML: one per phase, not one per run, and none left running.
+    assert [line for line in lines if line.startswith("vLLM")] == [
+        "vLLM (generate): starting one server for this phase",
+        f"vLLM (generate): ready at {url}; every run of this phase uses it",
+        "vLLM (generate): stopped",
+        "vLLM (extract): starting one server for this phase",
+        f"vLLM (extract): ready at {url}; every run of this phase uses it",
+        "vLLM (extract): stopped",
+    ]
+    assert lines.index("vLLM (generate): stopped") < lines.index("3 shards registered, 0 finished, 3 to run")
+    assert not port_in_use("127.0.0.1", vllm.port)
+    with op.instance() as instance:
+        shards = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("hidden_states")), limit=10)
+        assert sorted(
+            (r.event_log_entry.asset_materialization.partition, r.event_log_entry.asset_materialization.metadata["server"].value)
+            for r in shards.records
+        ) == [(key, url) for key in SHARDS]
+        responses = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization
+        assert (responses.metadata["backend"].value, responses.metadata["rows_failed"].value) == ("vllm", 0)
