@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install ui-deps demo test test-fast ui bench clean
+.PHONY: install ui-deps demo run test test-fast ui bench clean
 
 $(BIN)/.installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
@@ -29,6 +29,11 @@ ui-deps:
 
 demo: install
 	$(BIN)/python -m eagle3_assets.defs.demo_run
+
+# The whole graph on CONFIG (the demo without it), one run per shard; run it again to resume.
+# `make run ARGS=--list-shards` lists the shard keys and where each stands.
+run: install
+	$(if $(CONFIG),EAGLE3_CONFIG=$(abspath $(CONFIG))) $(BIN)/python -m eagle3_assets.start $(ARGS)
 
 # The whole suite, as CI runs it; every failure is reported (no -x), and the slowest
 # tests are listed so a creeping suite shows in the CI log before it hits the budget.

@@ -17,7 +17,9 @@ from dagster import (
 
 from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
+from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.drafter import assets as drafter
+from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
 from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
@@ -35,17 +37,15 @@ def build_definitions(project: Project) -> Definitions:
     hidden_states = hidden_states_asset(settings.extraction).with_attributes(
         automation_condition=rolling_shard_backfill_condition(cron, project) if rolling else shard_backfill_condition(cron)
     )
-    assets = [
-        data.prompts,
-        data.target_model,
-        data.responses,
-        data.tokenized,
-        data.token_freq,
-        data.vocab_map,
-        hidden_states,
-        drafter.drafter_asset(settings.training),
-        drafter.drafter_eval,
+    # Everything after the roots follows its inputs under the daemon's `pipeline` sensor.
+    followers = [
+        a.with_attributes(automation_condition=data_condition())
+        for a in (data.responses, data.tokenized, data.token_freq, data.vocab_map)
+    ] + [
+        drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(rolling)),
+        drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition()),
     ]
+    assets = [data.prompts, data.target_model, hidden_states, *followers]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
     jobs = [shard_checks.verify_shards]
     # What a per-step Kubernetes config may name: every op these definitions run.
@@ -65,6 +65,15 @@ def build_definitions(project: Project) -> Definitions:
                 + (", within the rolling window." if rolling else "."),
                 # The window is read from the store: a condition the daemon alone cannot evaluate.
                 **({"use_user_code_server": True} if rolling else {}),
+            ),
+            AutomationConditionSensorDefinition(
+                "pipeline",
+                target=AssetSelection.assets(*followers),
+                default_status=DefaultSensorStatus.RUNNING,
+                minimum_interval_seconds=30,
+                description="Carries the graph forward once `prompts` and `target_model` are materialized: each asset "
+                "after its inputs and their blocking checks, `drafter` after "
+                + ("the first checked shard." if rolling else "every shard passed its check."),
             ),
             dead_runs_sensor,
             shard_stall_sensor,

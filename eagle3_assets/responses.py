@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import ChatTemplateError, check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.figures import duration
 from eagle3_assets.generation.base import Generated, Generator
 from eagle3_assets.prompts import Prompt
 from eagle3_assets.reasoning import ReasoningFormat, split_completion
@@ -53,6 +54,15 @@ class ResponsesProgress:
     rows_failed: int
     completion_tokens: int  # in this run
     seconds: float
+
+    def summary(self) -> str:
+        """The figures a person watching the log needs, on one line."""
+        figures = self.as_metadata()
+        eta = duration(figures["eta_s"]) if figures["eta_s"] >= 0 else "unknown"
+        return (
+            f"responses: {self.rows_done}/{self.rows_total} rows, {self.rows_failed} failed, "
+            f"{figures['rows_per_s']} rows/s, {figures['tokens_per_s']} tokens/s, ETA {eta}"
+        )
 
     def as_metadata(self) -> dict[str, float | int]:
         rate = self.rows_generated / self.seconds if self.seconds > 0 else 0.0
@@ -204,8 +214,10 @@ def generate_responses(
             log(f"responses: part {index + 1}/{num_parts} written ({len(redo)} rows generated)")
         failed += sum(1 for r in records if r.get("error"))
         done += len(chunk)
+        progress = ResponsesProgress(done, len(prompts), generated, failed, new_tokens, time.monotonic() - started)
+        log(progress.summary())
         if on_progress is not None:
-            on_progress(ResponsesProgress(done, len(prompts), generated, failed, new_tokens, time.monotonic() - started))
+            on_progress(progress)
 
     return _join_parts(store, num_parts, reused, generated, settings, started)
 

@@ -207,6 +207,21 @@ class AlertSettings(_Section):
     )
 
 
+class EvaluationSettings(_Section):
+    """`drafter_eval`: five vLLM passes over the held-out prompts (plain, then k=3 and k=7, features kept and zeroed)."""
+
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="tokens decoded per held-out prompt in each pass; None = generation.max_new_tokens"
+    )
+    engine_load_s: float = Field(600.0, gt=0, description="seconds each pass may take to load its vLLM engine")
+    min_tokens_per_s: float = Field(
+        20.0,
+        gt=0,
+        description="the slowest decode (tokens/s over all prompts) a pass may run at before it counts as stuck: "
+        "the timeout is passes x (engine_load_s + prompts x max_new_tokens / this)",
+    )
+
+
 class DemoSettings(_Section):
     """The embedded demo target and prompt set (used when no target/prompts are configured)."""
 
@@ -247,6 +262,7 @@ class Settings(_Section):
     training: TrainingSettings = TrainingSettings()
     vllm: VllmSettings = VllmSettings()
     alerts: AlertSettings = AlertSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
     demo: DemoSettings = DemoSettings()
 
     @field_validator("aux_layer_ids")

@@ -18,6 +18,7 @@ from dagster import DagsterInstance
 from dagster._core.test_utils import instance_for_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.hidden_states.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.hidden_states.hf_extractor import final_norm
 from eagle3_assets.settings import VllmSettings
@@ -237,6 +238,12 @@ class Operator:
             cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
+
+    def start(self, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+        """`python -m eagle3_assets.start ARGS`, killed outright at the crash point `crash_at` if given."""
+        env = {**self.env, CRASH_ENV: crash_at} if crash_at else self.env
+        cmd = [sys.executable, "-m", "eagle3_assets.start", *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
 
     def instance(self) -> DagsterInstance:
         return DagsterInstance.from_config(str(self.home))

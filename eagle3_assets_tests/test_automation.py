@@ -4,17 +4,24 @@ import datetime
 import threading
 import time
 
+import pytest
 from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
     AssetExecutionContext,
+    AssetKey,
     DagsterRunStatus,
     Definitions,
     DynamicPartitionsDefinition,
     RunsFilter,
     asset,
+    asset_check,
     evaluate_automation_conditions,
 )
 from dagster._core.test_utils import instance_for_test
 
+from eagle3_assets.defs.data.automation import data_condition
+from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
 
 shards = DynamicPartitionsDefinition(name="hidden_state_shards")
@@ -41,8 +48,6 @@ DEFS = Definitions(assets=[tokenized, hidden_states])
 
 def run(instance, keys, partition=None):
     job = DEFS.resolve_implicit_global_asset_job_def()
-    from dagster import AssetKey
-
     return job.execute_in_process(
         instance=instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition, raise_on_error=False
     )
@@ -80,6 +85,76 @@ def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
         finally:
             release.set()
             in_flight.join(timeout=60)
+
+
+# --- the rest of the graph: data assets, drafter, drafter_eval ----------------------------------
+
+bad_shards: set[str] = set()
+
+
+@asset(deps=[tokenized], automation_condition=data_condition())
+def vocab_map() -> None:
+    return None
+
+
+@asset_check(asset=hidden_states, name="shard_integrity", partitions_def=shards, blocking=True)
+def shard_integrity(context: AssetCheckExecutionContext) -> AssetCheckResult:
+    return AssetCheckResult(passed=context.partition_key not in bad_shards)
+
+
+def graph_defs(rolling: bool) -> Definitions:
+    """The product's conditions on stand-ins with the product's keys, deps and blocking shard check."""
+
+    @asset(deps=[vocab_map, hidden_states], automation_condition=drafter_condition(rolling))
+    def drafter() -> None:
+        return None
+
+    @asset(deps=[drafter], automation_condition=drafter_eval_condition())
+    def drafter_eval() -> None:
+        return None
+
+    return Definitions(assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval], asset_checks=[shard_integrity])
+
+
+@pytest.mark.parametrize("rolling", [False, True], ids=["offline", "rolling"])
+def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_follows(rolling):
+    defs = graph_defs(rolling)
+    job = defs.resolve_implicit_global_asset_job_def()
+    clock = [datetime.datetime(2026, 12, 1, 12, 1, tzinfo=datetime.UTC)]
+    cursor = [None]
+
+    def after(keys: list[str], partition: str | None = None, bad: str | None = None) -> list[str]:
+        """Materialize `keys` (the shard check fails on `bad`), then one sensor tick: what it requests."""
+        bad_shards.clear()
+        bad_shards.update([bad] if bad else [])
+        if keys:
+            job.execute_in_process(
+                instance=instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition,
+                raise_on_error=False,
+            )  # fmt: skip
+        clock[0] += datetime.timedelta(minutes=1)  # no cron tick: only these conditions fire
+        result = evaluate_automation_conditions(defs, instance, evaluation_time=clock[0], cursor=cursor[0])
+        cursor[0] = result.cursor
+        return sorted(k.to_user_string() for k in defs.resolve_all_asset_keys() if result.get_num_requested(k))
+
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("hidden_state_shards", ["rows_0-20", "rows_20-40", "rows_40-45"])
+        assert after([]) == []  # the sensor's first look starts nothing
+        assert after(["tokenized"]) == ["vocab_map"]
+        assert after(["vocab_map"]) == []
+        assert after(["hidden_states"], "rows_0-20", bad="rows_0-20") == []  # materialized, check failed
+        first_checked = after(["hidden_states"], "rows_0-20")
+        assert after(["hidden_states"], "rows_20-40") == []
+        if rolling:
+            # Training rolls from the first shard that passed its check; the rest land while it trains.
+            assert first_checked == ["drafter", "drafter_eval"]
+            return
+        assert first_checked == []
+        assert after(["hidden_states"], "rows_40-45", bad="rows_40-45") == []  # every shard in, one failed its check
+        assert after(["hidden_states"], "rows_40-45") == ["drafter", "drafter_eval"]
+        assert after([]) == []  # requested once
+        assert after(["drafter"]) == ["drafter_eval"]
+        assert after(["drafter_eval"]) == []
 
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):

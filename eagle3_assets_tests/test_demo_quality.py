@@ -1,8 +1,10 @@
 """The drafter's quality bars on the demo, built exactly as `make demo` builds it (issues 4 and 7).
 
-One module fixture runs the whole graph with the demo settings through Dagster: the
-demo target trained in-process, 4,000 responses, ten shards, ~1,057 drafter steps, and
-`drafter_eval` in vLLM (CPU build). About 10 minutes on two quiet CPU cores; the figures
+One module fixture runs the whole graph with the demo settings through the one start
+command, `python -m eagle3_assets.start`, into a real $DAGSTER_HOME: the demo target trained
+in-process, 4,000 responses, ten shards, ~1,057 drafter steps, and `drafter_eval` in vLLM
+(CPU build). The first start is killed outright in the middle of the second shard; the same
+command, started again, finishes it. About 10 minutes on two quiet CPU cores; the figures
 in the assertions' comments are from that run (BENCHMARKS.md).
 
 The off-by-one test then trains two short drafters on the demo's rows, one on correct
@@ -13,16 +15,18 @@ both where an engine would feed them the correct layers.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from dagster import AssetKey
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 
 from eagle3_assets.chat import generation_prompt_ids
-from eagle3_assets.definitions import build_definitions
-from eagle3_assets.defs.demo_run import run_graph
+from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
@@ -41,7 +45,7 @@ from eagle3_assets.target import load_tokenizer
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet
 from eagle3_assets.vocab_map import VOCAB_MAP_FILE, VocabMap
 
-from .helpers import gpu_instance
+from .helpers import REPO
 
 # The module fixture runs the whole demo (~6-11 min on a quiet 2-core machine) inside the
 # first test's budget; a machine shared with other work has taken over twice that.
@@ -76,9 +80,30 @@ class OffByOneExtractor(HFExtractor):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    project = Project(demo_settings(), ArtifactStore(tmp_path_factory.mktemp("demo-quality") / "store"))
-    with gpu_instance() as instance:
-        assert run_graph(build_definitions(project), instance)
+    base = tmp_path_factory.mktemp("demo-quality")
+    home, root = base / "home", base / "store"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_CONFIG", CRASH_ENV)}
+    env |= {"DAGSTER_HOME": str(home), "EAGLE3_ROOT": str(root)}
+    command = [sys.executable, "-m", "eagle3_assets.start"]
+    # Killed outright after 50 samples of the second shard (an OOM kill, a lost node) ...
+    killed = subprocess.run(command, cwd=REPO, env=env | {CRASH_ENV: "extracted:rows_400-800:50"}, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
+    # ... the same command finishes the graph, redoing nothing that was finished.
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "[start] vocab_map: finished, skipped" in resumed.stdout
+    assert "[start] 10 shards registered, 1 finished, 9 to run" in resumed.stdout
+    log = resumed.stdout + resumed.stderr
+    # drafter_eval reports each of its five vLLM passes as it finishes, not all at the end.
+    assert [p for p in range(1, 6) if f"drafter_eval: pass {p}/5 (" in log] == [1, 2, 3, 4, 5]
+    project = Project(demo_settings(), ArtifactStore(root))
+    with DagsterInstance.from_config(str(home)) as instance:
+        resumed_shard = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey("hidden_states"), asset_partitions=["rows_400-800"]), limit=1
+        ).records[0]
+        assert resumed_shard.event_log_entry.asset_materialization.metadata["rows_computed"].value == 350
         yield project, instance
 
 

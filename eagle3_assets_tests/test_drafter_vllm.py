@@ -175,11 +175,13 @@ def test_every_recipe_option_serves_in_vllm_as_it_trained(served_target):
         config = json.loads((export_dir / "config.json").read_text())
         for flag in NORM_FLAGS:  # written out explicitly, as trained
             assert config[flag] is bool(OPTIONS[name].get(flag, False)), (name, flag)
+    reported: list[int] = []  # each run as it finishes, before the interpreter exits
     results = generate_runs_in_subprocess(
         target_dir, prompts,
         [{"draft_dir": export_dir, "num_speculative_tokens": K} for _, export_dir in trained.values()],
-        common={"max_tokens": SERVED},
+        common={"max_tokens": SERVED}, on_result=lambda i, _: reported.append(i),
     )  # fmt: skip
+    assert reported == list(range(len(trained)))
     want = [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]
     for (name, (model, _)), spec in zip(trained.items(), results, strict=True):
         assert spec.outputs == want, name

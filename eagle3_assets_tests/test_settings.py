@@ -90,3 +90,15 @@ def test_a_config_path_naming_a_directory_or_an_unknown_protocol_is_named(tmp_pa
 def test_a_byte_order_mark_before_the_settings_is_not_part_of_them(tmp_path: Path):
     (tmp_path / "eagle3.yaml").write_bytes("\ufeffshard_size: 7\n".encode())
     assert load_settings({"EAGLE3_CONFIG": str(tmp_path / "eagle3.yaml")}).shard_size == 7
+
+
+def test_drafter_eval_has_its_own_decode_length_and_a_timeout_that_grows_with_the_work(tmp_path: Path):
+    from eagle3_assets.drafter.evaluate import eval_timeout_s
+
+    s = load_settings(write_config(tmp_path, "evaluation: {max_new_tokens: 64, engine_load_s: 100, min_tokens_per_s: 10}\n"))
+    assert (s.evaluation.max_new_tokens, s.generation.max_new_tokens) == (64, 2048)
+    # 5 passes x (100 s to load + 40 prompts x 64 tokens at 10 tokens/s)
+    assert eval_timeout_s(s.evaluation, passes=5, prompts=40, max_tokens=64) == 5 * (100 + 256)
+    assert eval_timeout_s(s.evaluation, passes=5, prompts=80, max_tokens=64) == 5 * (100 + 512)
+    with pytest.raises(SettingsError, match="evaluation.max_new_tokens: Input should be greater than or equal to 1"):
+        load_settings(write_config(tmp_path, "evaluation: {max_new_tokens: 0}\n"))

@@ -196,6 +196,9 @@ def ui(tmp_path_factory, tiny_target_dir):
             handle = Ui(processes.config.url, port, instance, project, hook)
             wait_for("the code location to load", lambda: _location_loaded(handle), timeout_s=300)
             wait_for("the daemon to report healthy", lambda: _daemons_healthy(handle), timeout_s=300, poll_s=2)
+            # Once the backfill below completes every shard, `pipeline` would start the drafter and its
+            # evaluation: work these tests do not look at, on the same two cores.
+            stop_sensor(handle, "pipeline")
             yield handle
         finally:
             processes.stop()
@@ -250,6 +253,20 @@ def signal_tree(pid: int, sig: signal.Signals) -> list[int]:
         except ProcessLookupError:
             pass
     return victims
+
+
+def stop_sensor(ui: Ui, name: str) -> None:
+    selector = {"repositoryLocationName": "eagle3_assets", "repositoryName": "__repository__", "sensorName": name}
+    state = ui.query(
+        "query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) { ... on Sensor { sensorState { id } } } }",
+        {"s": selector},
+    )["sensorOrError"]["sensorState"]
+    stopped = ui.query(
+        """mutation($id: String!) { stopSensor(id: $id) { __typename
+             ... on StopSensorMutationResult { instigationState { status } } ... on PythonError { message } } }""",
+        {"id": state["id"]},
+    )["stopSensor"]
+    assert stopped.get("instigationState", {}).get("status") == "STOPPED", stopped
 
 
 def launch_shard_run(ui: Ui, partition: str) -> str:

@@ -2,6 +2,7 @@
 
 from dagster import DagsterInstance, DynamicPartitionsDefinition
 
+from eagle3_assets.errors import Refusal
 from eagle3_assets.shards import Shard
 
 shard_partitions = DynamicPartitionsDefinition(name="hidden_state_shards")
@@ -20,3 +21,17 @@ def sync_shard_partitions(instance: DagsterInstance, keys: list[str]) -> list[st
         instance.delete_dynamic_partition(shard_partitions.name, key)
     instance.add_dynamic_partitions(shard_partitions.name, [k for k in keys if k not in registered])
     return stale
+
+
+class UnknownShardKey(Refusal):
+    """A shard key a person typed that is not registered; the message lists the ones that are."""
+
+
+def require_shard_keys(instance: DagsterInstance, keys: list[str]) -> list[str]:
+    """`keys`, each checked against the registered ones."""
+    registered = registered_shard_keys(instance)
+    unknown = [k for k in keys if k not in registered]
+    if unknown:
+        valid = ", ".join(registered) if registered else "none: materialize `tokenized` first"
+        raise UnknownShardKey(f"unknown shard key(s) {', '.join(unknown)}; the registered shard keys are: {valid}")
+    return keys

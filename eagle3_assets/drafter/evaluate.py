@@ -19,6 +19,7 @@ on each mode it will serve.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,7 @@ from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_runs_in_s
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
-from eagle3_assets.settings import Settings
+from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
 
@@ -69,7 +70,6 @@ class EvalReport:
     ) -> None:
         """One speculative run's acceptance (overall, per position and per mode) and its outputs against greedy."""
         label = f"k={k}" + (" features zeroed" if zeroed else "")
-        log(f"drafter_eval: {label}: mean acceptance length {spec.mean_acceptance_length:.3f}")
         (self.acceptance_zeroed if zeroed else self.acceptance)[f"k{k}"] = spec.mean_acceptance_length
         if not zeroed:
             self.per_position[f"k{k}"] = spec.acceptance_per_position
@@ -162,6 +162,11 @@ def eval_prompt_ids(
     ]
 
 
+def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, max_tokens: int) -> float:
+    """Engine loads plus decoding at the slowest rate accepted, for every pass: the timeout grows with the work."""
+    return passes * (settings.engine_load_s + prompts * max_tokens / settings.min_tokens_per_s)
+
+
 def evaluate_drafter(
     store: ArtifactStore,
     target: TargetModel,
@@ -174,7 +179,7 @@ def evaluate_drafter(
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
-    max_tokens = max_tokens or settings.generation.max_new_tokens
+    max_tokens = max_tokens or settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
     report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)))
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
@@ -186,15 +191,26 @@ def evaluate_drafter(
             export_dir = store_export
 
         variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
+        labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
+        timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
         log(
-            f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM, plain and with the drafter "
-            f"at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, then zeroed)"
+            f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM ({max_tokens} tokens each), "
+            f"plain and with the drafter at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, "
+            f"then zeroed): {len(labels)} passes, timeout {timeout_s:.0f}s"
         )
+        started = time.monotonic()
+
+        def on_result(i: int, result: GenerationResult) -> None:
+            accepted = "" if i == 0 else f", mean acceptance length {result.mean_acceptance_length:.3f}"
+            log(f"drafter_eval: pass {i + 1}/{len(labels)} ({labels[i]}) done at {time.monotonic() - started:.0f}s{accepted}")
+
         plain, *speculative = generate_runs_in_subprocess(
             target.path,
             prompt_ids,
             [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants],
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
+            timeout_s=timeout_s,
+            on_result=on_result,
         )
         for (k, zeroed), spec in zip(variants, speculative, strict=True):
             report.add_run(k, zeroed, plain, spec, log)

@@ -28,16 +28,20 @@ import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from eagle3_assets.processes import signal_group
 
 _SPEC_PREFIX = "vllm:spec_decode_"
 
@@ -236,32 +240,62 @@ def generate_runs_in_subprocess(
     common: dict[str, Any] | None = None,
     timeout_s: float = 1800,
     env: dict[str, str] | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> list[GenerationResult]:
-    """One `generate(target_dir, prompts, **common, **run)` per run, in order, all in one fresh interpreter."""
+    """One `generate(target_dir, prompts, **common, **run)` per run, in order, all in one fresh interpreter;
+    `on_result(i, result)` as each run finishes. Past `timeout_s` the interpreter and its workers are killed."""
     with tempfile.TemporaryDirectory(prefix="drafter-vllm-") as tmp:
         request = Path(tmp) / "request.json"
-        result = Path(tmp) / "result.json"
+        result = Path(tmp) / "result.jsonl"
+        output = Path(tmp) / "output.log"
         runs = [{k: str(v) if isinstance(v, Path) else v for k, v in {**(common or {}), **run}.items()} for run in runs]
         token_prompts = [list(map(int, p)) for p in prompts]
         request.write_text(json.dumps({"target_dir": str(target_dir), "prompts": token_prompts, "runs": runs}))
+        result.touch()
         run_env = {**os.environ, **(env or {})}
         # A small KV cache: these machines are shared, and eval prompts are short.
         run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
-            capture_output=True, text=True, timeout=timeout_s, env=run_env,
-        )
-        if proc.returncode != 0 or not result.exists():
-            tail = (proc.stdout + proc.stderr)[-4000:]
-            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{tail}")
-        return [GenerationResult.from_json(r) for r in json.loads(result.read_text())]
+        results: list[GenerationResult] = []
+
+        def collect() -> None:
+            for line in result.read_text().splitlines()[len(results) :]:
+                results.append(GenerationResult.from_json(json.loads(line)))
+                if on_result is not None:
+                    on_result(len(results) - 1, results[-1])
+
+        with output.open("w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
+                stdout=out, stderr=subprocess.STDOUT, env=run_env, start_new_session=True,
+            )  # fmt: skip
+            deadline = time.monotonic() + timeout_s
+            try:
+                while proc.poll() is None:
+                    collect()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"vLLM generation timed out after {timeout_s:.0f}s with {len(results)} of {len(runs)} "
+                            f"runs done:\n{output.read_text()[-4000:]}"
+                        )
+                    time.sleep(0.5)
+            finally:
+                if proc.poll() is None:
+                    signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+        collect()
+        if proc.returncode != 0 or len(results) != len(runs):
+            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
+        return results
 
 
 def main(argv: Sequence[str]) -> int:
     request_path, result_path = argv
     req = json.loads(Path(request_path).read_text())
-    results = [generate(req["target_dir"], req["prompts"], **run).to_json() for run in req["runs"]]
-    Path(result_path).write_text(json.dumps(results))
+    with Path(result_path).open("a") as out:
+        for run in req["runs"]:
+            # One line per run as it finishes: the caller reports each pass without waiting for the last.
+            out.write(json.dumps(generate(req["target_dir"], req["prompts"], **run).to_json()) + "\n")
+            out.flush()
     return 0
 
 

@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from fractions import Fraction
 
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.errors import Eagle3Error, Refusal
+from eagle3_assets.figures import duration
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
 from eagle3_assets.hidden_states.sample_file import (
@@ -97,6 +99,16 @@ class ExtractionProgress:
     projected_bytes_all_shards: int | None  # every token of the tokenized set x bytes_per_token
     free_bytes: int | None  # None: unknown (object/memory store)
     final: bool
+
+    def summary(self) -> str:
+        """The figures a person watching the log needs, on one line."""
+        eta = "unknown" if self.eta_s is None else duration(self.eta_s)
+        free = "" if self.free_bytes is None else f", {_gb(self.free_bytes)} free"
+        return (
+            f"shard {self.shard}: {self.samples_done}/{self.samples_total} samples ({self.samples_skipped} kept), "
+            f"{self.samples_per_s:.2f} samples/s, {self.tokens_per_s:,.0f} tokens/s, {_gb(self.bytes_written)} written, "
+            f"ETA {eta}{free}"
+        )
 
     def as_metadata(self) -> dict[str, float | int]:
         """A flat dict of numbers; unknown figures are left out rather than sent as None."""
@@ -440,6 +452,7 @@ def run_shard(
             tally.bytes_written += _write_sample(store, tokenized, shard, sample, spec, extractor.backend)
         tally.tokens_computed += pending.pop(sample.row)
         tally.computed += 1
+        crash_point(f"extracted:{key}:{tally.computed}")
         now = clock()
         if on_progress is not None and now - last_emit >= settings.progress_interval_s:
             on_progress(tally.progress(now, free=free_now(), final=False))

@@ -164,6 +164,11 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             )
         finally:
             generator.close()
+    if summary.rows_failed:
+        context.log.warning(
+            f"responses: {summary.rows_failed} of {summary.rows} rows failed (retried on the next run); first: "
+            + "; ".join(summary.first_errors)
+        )
     meta = summary.as_metadata()
     return MaterializeResult(
         metadata={

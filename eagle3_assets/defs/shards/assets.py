@@ -59,6 +59,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
         def on_progress(progress: ExtractionProgress) -> None:
             final.update(progress.as_metadata())
             observe(context, final)
+            context.log.info(progress.summary())
 
         with failures(f"shard {shard.key}"), ExitStack() as stack:
             target = project.target()

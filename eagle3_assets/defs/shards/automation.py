@@ -2,7 +2,9 @@
 
 `on_missing()`/`eager()` never retry a shard that failed or was never requested, so
 at each cron tick request every shard that is missing or whose last run failed,
-unless it is running or its inputs are missing (docs/DESIGN.md §7). In rolling mode
+unless it is running or its inputs are missing (docs/DESIGN.md §7). Shards that
+`tokenized` registers are requested at once, not at the next tick: a started graph
+carries on to its shards without waiting for the cron. In rolling mode
 (`training.mode: rolling`) only the shards the window admits are requested: extraction
 never runs more than `training.window_shards` shards ahead of training. The window is
 read from the store, so that condition runs in the code location (`InRollingWindow`).
@@ -35,13 +37,23 @@ class InRollingWindow(AutomationCondition):
 
 
 def shard_backfill_condition(cron: str) -> AutomationCondition:
-    return _missing_or_failed(cron).with_label(f"missing or failed shards, every tick of {cron}")
+    return (_missing_or_failed(cron) | _newly_registered()).with_label(
+        f"new shards at once; missing or failed shards every tick of {cron}"
+    )
 
 
 def rolling_shard_backfill_condition(cron: str, project: Project) -> AutomationCondition:
-    return (_missing_or_failed(cron) & InRollingWindow(project)).with_label(
-        f"missing or failed shards in the rolling window, every tick of {cron}"
+    return ((_missing_or_failed(cron) | _newly_registered()) & InRollingWindow(project)).with_label(
+        f"new shards at once, missing or failed shards every tick of {cron}; within the rolling window"
     )
+
+
+def _newly_registered() -> AutomationCondition:
+    # Never on the sensor's first evaluation (`since_last_handled` resets there): starting the
+    # daemon does not start every missing shard.
+    return (
+        AutomationCondition.on_missing() & ~AutomationCondition.any_deps_in_progress() & ~AutomationCondition.in_progress()
+    ).with_label("newly registered")
 
 
 def _missing_or_failed(cron: str) -> AutomationCondition:

@@ -1,0 +1,256 @@
+"""`python -m eagle3_assets.start` (`make run`): the whole graph from one command, without the daemon.
+
+Phase after phase, each run recorded in $DAGSTER_HOME as if launched from the UI: the data
+assets (prompts … vocab_map) in one run, then every registered shard in a run of its own (its
+own retries, its own `gpu` slot), then `drafter`, then `drafter_eval`. The same command after a
+crash or a kill resumes: runs left by a dead process are failed first (their slots freed), and
+finished work is skipped, never redone. An asset is finished when it materialized after every
+input it reads and its blocking checks passed on that materialization; a shard when it
+materialized after `tokenized`, its files are complete and `shard_integrity` passed on it.
+A setting is not an input Dagster sees: after changing one, `--from ASSET` redoes ASSET and
+everything after it.
+
+With a `vllm` backend and no server configured, each phase that has work shares one vLLM
+server, started when the phase starts and stopped when it ends (generation for the data
+assets, extraction for the shards): the model loads once per phase, not once per run. A
+server named in `vllm.server_url(s)` is used and left alone. `drafter_eval` loads its own
+engines (each pass serves another drafter setting).
+
+    python -m eagle3_assets.start                    # start, or resume
+    python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
+    python -m eagle3_assets.start --shard rows_0-2000 [--shard …]   # (re)extract the named shards only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
+
+from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions
+from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
+
+from eagle3_assets.defs.drafter.assets import unusable_shards
+from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
+from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
+from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.project import Project
+
+if TYPE_CHECKING:
+    from eagle3_assets.vllm_server.command import Role
+
+LAUNCHED_BY = "eagle3/launched_by"
+TOKENIZED = AssetKey("tokenized")
+RESPONSES = AssetKey("responses")
+AFTER_SHARDS = [AssetKey("drafter"), AssetKey("drafter_eval")]
+THROUGH = ("hidden_states", "drafter", "drafter_eval")
+
+Log = Callable[[str], None]
+
+
+def _say(line: str) -> None:
+    print(f"[start] {line}", flush=True)
+
+
+class GraphStart:
+    """The graph, its instance and its project; `run()` takes it as far as `through`."""
+
+    def __init__(
+        self,
+        defs: Definitions,
+        instance: DagsterInstance,
+        project: Project,
+        *,
+        build: Callable[[Project], Definitions] | None = None,
+        log: Log = _say,
+    ):
+        """`build` makes the definitions for a project whose settings name a phase's shared server."""
+        self.defs, self.instance, self.project, self.build, self.log = defs, instance, project, build, log
+        self.graph: AssetGraph = defs.resolve_asset_graph()
+        self.job = defs.resolve_implicit_global_asset_job_def()
+
+    # --- what is finished ------------------------------------------------------------------------
+
+    def _latest(self, key: AssetKey, partition: str | None = None):
+        records = self.instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None), limit=1
+        ).records
+        return records[0] if records else None
+
+    def unfinished(self, key: AssetKey) -> str | None:
+        """Why an unpartitioned asset must run; None when it is finished."""
+        latest = self._latest(key)
+        if latest is None:
+            return "never materialized"
+        for parent in sorted(self.graph.get(key).parent_keys):
+            before = self._latest(parent)
+            if before is not None and before.storage_id > latest.storage_id:
+                return f"{parent.to_user_string()} materialized after it"
+        checks = [c for c in self.graph.get(key).check_keys if self.graph.get(c).blocking]
+        executions = self.instance.event_log_storage.get_latest_asset_check_execution_by_key(checks)
+        for check in checks:
+            record = executions.get(check)
+            if record is None or record.run_id != latest.run_id or record.status.value != "SUCCEEDED":
+                return f"its check {check.name} has not passed on its latest materialization"
+        return None
+
+    def shard_states(self) -> dict[str, str]:
+        """Every registered shard key, in row order, with `done` or why it must run."""
+        keys = registered_shard_keys(self.instance)
+        bad = unusable_shards(self.instance, self.project, keys)
+        tokenized = self._latest(TOKENIZED)
+        states: dict[str, str] = {}
+        for key in keys:
+            latest = self._latest(HIDDEN_STATES, key)
+            if latest is None:
+                states[key] = "never materialized"
+            elif tokenized is not None and tokenized.storage_id > latest.storage_id:
+                states[key] = "tokenized materialized after it"
+            else:
+                states[key] = bad.get(key, "done")
+        return states
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def launch(self, keys: list[AssetKey], partition: str | None = None) -> bool:
+        label = ",".join(k.to_user_string() for k in keys) + (f"[{partition}]" if partition else "")
+        started = time.monotonic()
+        self.log(f"{label}: starting")
+        # execute_in_process does not use the job's executor: the run names its process itself,
+        # so a later sweep (this command again, the daemon) can fail it if this process is killed.
+        result = self.job.execute_in_process(
+            instance=self.instance,
+            asset_selection=keys,
+            partition_key=partition,
+            tags={LAUNCHED_BY: "start", **process_tags()},
+            raise_on_error=False,
+        )
+        status = "ok" if result.success else "FAILED"
+        self.log(f"{label}: {status} in {time.monotonic() - started:.1f}s (run {result.run_id})")
+        return result.success
+
+    @contextmanager
+    def engine(self, role: Role) -> Iterator[None]:
+        """The phase's runs share one vLLM server, started here and stopped when the phase ends; nothing
+        when the phase's backend is not vllm, a server is configured, or no `build` was given."""
+        settings = self.project.settings
+        backend = settings.generation.backend if role == "generate" else settings.extraction.backend
+        if backend != "vllm" or settings.vllm.extraction_urls or self.build is None:
+            yield
+            return
+        from eagle3_assets.vllm_server.server import VllmServer
+
+        local_root = self.project.store.local_path("")
+        self.log(f"vLLM ({role}): starting one server for this phase")
+        job = self.job
+        with VllmServer.start(
+            self.project.target(), settings.vllm, role, write_roots=[str(local_root)] if local_root else []
+        ) as server:
+            self.log(f"vLLM ({role}): ready at {server.url}; every run of this phase uses it")
+            shared = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"server_url": server.url})})
+            self.job = self.build(Project(shared, self.project.store)).resolve_implicit_global_asset_job_def()
+            try:
+                yield
+            finally:
+                self.job = job
+        self.log(f"vLLM ({role}): stopped")
+
+    def _todo(self, keys: list[AssetKey], redo: set[AssetKey]) -> list[AssetKey]:
+        """`keys` (in graph order) that must run: unfinished or forced, or after one that runs."""
+        todo: list[AssetKey] = []
+        for key in keys:
+            parents_run = self.graph.get(key).parent_keys & set(todo)
+            why = "redo asked (--from)" if key in redo else (
+                f"{parents_run.pop().to_user_string()} runs first" if parents_run else self.unfinished(key)
+            )  # fmt: skip
+            self.log(f"{key.to_user_string()}: " + (f"to run ({why})" if why else "finished, skipped"))
+            if why:
+                todo.append(key)
+        return todo
+
+    def run(self, *, through: str = "drafter_eval", redo_from: AssetKey | None = None) -> bool:
+        """Data assets, then each unfinished shard, then the drafter and its evaluation; False at the first failure."""
+        self.log(f"{len(sweep_dead_runs(self.instance))} run(s) of dead processes failed and their slots freed")
+        order = self.graph.toposorted_asset_keys
+        redo = set() if redo_from is None else AssetSelection.assets(redo_from).downstream().resolve(self.graph)
+        data = [k for k in order if k != HIDDEN_STATES and k not in AFTER_SHARDS]
+        todo = self._todo(data, redo)
+        if todo:
+            with self.engine("generate") if RESPONSES in todo else nullcontext():
+                if not self.launch(todo):
+                    return False
+        states = self.shard_states()
+        shards = [k for k, state in states.items() if state != "done" or HIDDEN_STATES in redo]
+        self.log(f"{len(states)} shards registered, {len(states) - len(shards)} finished, {len(shards)} to run")
+        with self.engine("extract") if shards else nullcontext():
+            failed = [key for key in shards if not self.launch([HIDDEN_STATES], key)]
+        if failed:
+            self.log(f"shards failed: {', '.join(failed)}; run the same command again to resume them")
+            return False
+        if through == "hidden_states":
+            return True
+        after = AFTER_SHARDS[: AFTER_SHARDS.index(AssetKey(through)) + 1]
+        # A shard that ran is an input that changed: what follows it runs, whatever it was.
+        todo = after if shards else self._todo(after, redo)
+        if shards:
+            self.log(f"{', '.join(k.to_user_string() for k in after)}: to run (shards ran)")
+        return not todo or self.launch(todo)
+
+    def run_shards(self, keys: Sequence[str]) -> bool:
+        require_shard_keys(self.instance, list(keys))
+        with self.engine("extract"):
+            return all([self.launch([HIDDEN_STATES], key) for key in keys])  # every one, even after a failure
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3_assets.start",
+        description="Run the whole graph (data, every shard, drafter, drafter_eval) into $DAGSTER_HOME; "
+        "run it again to resume. Settings from $EAGLE3_CONFIG (the demo without it), artifacts under $EAGLE3_ROOT.",
+    )
+    parser.add_argument("--list-shards", action="store_true", help="print every shard key and its state, then exit")
+    parser.add_argument("--shard", action="append", default=[], metavar="KEY", help="(re)extract only this shard")
+    parser.add_argument("--through", choices=THROUGH, default="drafter_eval", help="stop after this asset")
+    parser.add_argument("--from", dest="redo_from", metavar="ASSET", help="redo ASSET and everything after it")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not os.environ.get("DAGSTER_HOME"):
+        print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
+        return 2
+    from eagle3_assets.definitions import build_definitions, defs
+
+    project = defs.resources["project"]
+    keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
+    if args.redo_from is not None and args.redo_from not in keys:
+        print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
+        return 2
+    with DagsterInstance.get() as instance:
+        start = GraphStart(defs, instance, project, build=build_definitions)
+        if args.list_shards:
+            for key, state in start.shard_states().items():
+                print(f"{key}\t{state}")
+            return 0
+        began = time.monotonic()
+        try:
+            ok = start.run_shards(args.shard) if args.shard else start.run(
+                through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
+            )  # fmt: skip
+        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start
+            print(f"error: {e}", file=sys.stderr)
+            return 2 if isinstance(e, UnknownShardKey) else 1
+        if not ok:
+            return 1
+        _say(f"finished in {time.monotonic() - began:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""`python -m eagle3_assets.start`: one command through the graph, killed mid-shard and started again."""
+
+import pytest
+from dagster import AssetKey, AssetRecordsFilter
+
+from .helpers import Operator
+
+pytestmark = pytest.mark.slow  # the tiny data graph, three shards and a short drafter, in subprocesses
+
+SHARDS = ["rows_0-20", "rows_20-40", "rows_40-45"]
+
+
+def started(out: str) -> list[str]:
+    """The `[start]` lines of a run, without the run ids and timings."""
+    return [line.split(" in ")[0].removeprefix("[start] ") for line in out.splitlines() if line.startswith("[start]")]
+
+
+def test_killed_mid_shard_the_same_command_resumes_and_redoes_nothing(tmp_path, tiny_target_dir):
+    op = Operator(tmp_path, tiny_target_dir)
+    killed = op.start("--through", "drafter", crash_at="extracted:rows_20-40:3")
+    assert killed.returncode == -9
+    assert started(killed.stdout)[-3:] == [
+        "hidden_states[rows_0-20]: starting", "hidden_states[rows_0-20]: ok", "hidden_states[rows_20-40]: starting",
+    ]  # fmt: skip
+
+    listed = op.start("--list-shards")
+    assert listed.stdout.splitlines() == ["rows_0-20\tdone", "rows_20-40\tnever materialized", "rows_40-45\tnever materialized"]
+    wrong = op.start("--shard", "rows_40-50")
+    assert wrong.returncode == 2
+    assert "error: unknown shard key(s) rows_40-50; the registered shard keys are: rows_0-20, rows_20-40, rows_40-45" in wrong.stderr
+
+    resumed = op.start("--through", "drafter")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert started(resumed.stdout) == [
+        "1 run(s) of dead processes failed and their slots freed",
+        *(f"{k}: finished, skipped" for k in ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]),
+        "3 shards registered, 1 finished, 2 to run",
+        "hidden_states[rows_20-40]: starting", "hidden_states[rows_20-40]: ok",
+        "hidden_states[rows_40-45]: starting", "hidden_states[rows_40-45]: ok",
+        "drafter: to run (shards ran)", "drafter: starting", "drafter: ok",
+        "finished",
+    ]  # fmt: skip
+    # The log carries the figures (the tiny settings report progress every 0.01 s).
+    log = resumed.stdout + resumed.stderr
+    assert "shard rows_20-40: 20/20 samples (3 kept), " in log
+    assert "responses: 45/45 rows, 0 failed" not in log  # responses were finished: not run again
+    assert "responses: 45/45 rows, 0 failed, " in killed.stdout + killed.stderr
+    with op.instance() as instance:
+        computed = {
+            r.event_log_entry.asset_materialization.partition: r.event_log_entry.asset_materialization.metadata[
+                "rows_computed"
+            ].value
+            for r in instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("hidden_states")), limit=10).records
+        }
+        # The killed shard kept the 3 samples written before the kill; each shard had a run of its own.
+        assert computed == {"rows_0-20": 20, "rows_20-40": 17, "rows_40-45": 5}
+        shard_runs = [r.tags.get("dagster/partition") for r in instance.get_runs() if "dagster/partition" in r.tags]
+        assert sorted(shard_runs) == sorted(SHARDS + ["rows_20-40"])
+
+    again = op.start("--through", "drafter")
+    assert again.returncode == 0
+    assert [line for line in started(again.stdout) if "skipped" not in line] == [
+        "0 run(s) of dead processes failed and their slots freed", "3 shards registered, 3 finished, 0 to run", "finished",
+    ]  # fmt: skip
+    redo = op.start("--through", "drafter", "--from", "vocab_map")
+    assert "vocab_map: to run (redo asked (--from))" in redo.stdout and "drafter: to run (redo asked (--from))" in redo.stdout
+    assert "3 shards registered, 3 finished, 0 to run" in redo.stdout
+
+
+@pytest.mark.vllm
+def test_each_phase_shares_one_vllm_server_started_and_stopped_with_the_phase(tmp_path, tiny_target_dir):
+    from eagle3_assets.settings import ExtractionSettings, GenerationSettings
+    from eagle3_assets.vllm_server.client import port_in_use
+
+    from .helpers import small_kv_cache, vllm_test_settings
+
+    vllm = vllm_test_settings()
+    with small_kv_cache():
+        op = Operator(
+            tmp_path, tiny_target_dir, vllm=vllm,
+            generation=GenerationSettings(backend="vllm", max_new_tokens=8, rows_per_part=16),
+            extraction=ExtractionSettings(backend="vllm", progress_interval_s=0.01),
+        )  # fmt: skip
+    done = op.start("--through", "hidden_states")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    url = f"http://127.0.0.1:{vllm.port}"
+    lines = started(done.stdout)
+    # No server in the YAML: one per phase, not one per run, and none left running.
+    assert [line for line in lines if line.startswith("vLLM")] == [
+        "vLLM (generate): starting one server for this phase",
+        f"vLLM (generate): ready at {url}; every run of this phase uses it",
+        "vLLM (generate): stopped",
+        "vLLM (extract): starting one server for this phase",
+        f"vLLM (extract): ready at {url}; every run of this phase uses it",
+        "vLLM (extract): stopped",
+    ]
+    assert lines.index("vLLM (generate): stopped") < lines.index("3 shards registered, 0 finished, 3 to run")
+    assert not port_in_use("127.0.0.1", vllm.port)
+    with op.instance() as instance:
+        shards = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("hidden_states")), limit=10)
+        assert sorted(
+            (r.event_log_entry.asset_materialization.partition, r.event_log_entry.asset_materialization.metadata["server"].value)
+            for r in shards.records
+        ) == [(key, url) for key in SHARDS]
+        responses = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization
+        assert (responses.metadata["backend"].value, responses.metadata["rows_failed"].value) == ("vllm", 0)
