@@ -44,12 +44,13 @@ def log(msg: str) -> None:
 
 
 def demo_store(path: Path, settings: Settings | None = None) -> Project:
-    """A store with the demo's data and complete shards (built here the first time: ~5 min on 2 cores)."""
+    """A store with the run's data (the demo's without `settings`) and complete shards, built here the first time
+    (the demo: ~5 min on 2 cores)."""
     from dagster._core.test_utils import instance_for_test
 
     project = Project(settings or demo_settings(), ArtifactStore(str(path.resolve())))
     if not shard_keys(project.store):
-        log(f"building the demo store in {path} (data assets and shards, as make demo does)")
+        log(f"building the store in {path} (data assets and shards, as make demo does)")
         with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
             if not run_graph(build_definitions(project), instance, through="hidden_states"):
                 raise RuntimeError(f"the demo graph failed building {path}; rerun to resume")

@@ -82,6 +82,12 @@ def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
             )
             requested = after_tick.get_requested_partitions(hidden_states.key)
             assert sorted(requested) == ["rows_40-60", "rows_80-100"]  # failed + missing; not done, not running
+            # A shard `tokenized` registers between ticks is requested at once, alone.
+            instance.add_dynamic_partitions("hidden_state_shards", ["rows_100-120"])
+            registered = evaluate_automation_conditions(
+                DEFS, instance, evaluation_time=start + datetime.timedelta(minutes=16), cursor=after_tick.cursor
+            )
+            assert sorted(registered.get_requested_partitions(hidden_states.key)) == ["rows_100-120"]
         finally:
             release.set()
             in_flight.join(timeout=60)
