@@ -2,7 +2,9 @@
 
 Phase after phase, each run recorded in $DAGSTER_HOME as if launched from the UI: the data
 assets (prompts … vocab_map) in one run, then every registered shard in a run of its own (its
-own retries, its own `gpu` slot), then `drafter`, then `drafter_eval`. The same command after a
+own retries, its own `gpu` slot), then `drafter`, then `drafter_eval`. In rolling mode
+(`training.mode: rolling`) `drafter` trains while the shards are extracted, each as the
+window admits it. The same command after a
 crash or a kill resumes: runs left by a dead process are failed first (their slots freed), and
 finished work is skipped, never redone. An asset is finished when it materialized after every
 input it reads and its blocking checks passed on that materialization; a shard when it
@@ -26,7 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -40,6 +44,7 @@ from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.project import Project
+from eagle3_assets.shard_window import Window
 
 if TYPE_CHECKING:
     from eagle3_assets.vllm_server.command import Role
@@ -47,7 +52,10 @@ if TYPE_CHECKING:
 LAUNCHED_BY = "eagle3/launched_by"
 TOKENIZED = AssetKey("tokenized")
 RESPONSES = AssetKey("responses")
-AFTER_SHARDS = [AssetKey("drafter"), AssetKey("drafter_eval")]
+DRAFTER = AssetKey("drafter")
+AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval")]
+SHARD_ATTEMPTS = 2  # runs of one shard, each with the asset's own retries, before the command stops asking
+ROLLING_POLL_S = 2.0
 THROUGH = ("hidden_states", "drafter", "drafter_eval")
 
 Log = Callable[[str], None]
@@ -184,6 +192,8 @@ class GraphStart:
             with self.engine("generate") if RESPONSES in todo else nullcontext():
                 if not self.launch(todo):
                     return False
+        if self.project.settings.training.mode == "rolling" and through != "hidden_states":
+            return self._run_rolling(AFTER_SHARDS[: AFTER_SHARDS.index(AssetKey(through)) + 1], redo)
         states = self.shard_states()
         shards = [k for k, state in states.items() if state != "done" or HIDDEN_STATES in redo]
         self.log(f"{len(states)} shards registered, {len(states) - len(shards)} finished, {len(shards)} to run")
@@ -200,6 +210,37 @@ class GraphStart:
         if shards:
             self.log(f"{', '.join(k.to_user_string() for k in after)}: to run (shards ran)")
         return not todo or self.launch(todo)
+
+    def _run_rolling(self, after: list[AssetKey], redo: set[AssetKey]) -> bool:
+        """Rolling mode: `drafter` trains in a thread of its own while this one extracts each shard the window
+        admits (README, "Training past the disk"); then `drafter_eval`."""
+        todo = self._todo(after, redo)
+        if DRAFTER not in todo:
+            return not todo or self.launch(todo)
+        training = self.project.settings.training
+        outcome: dict[str, bool] = {}
+        trainer = threading.Thread(target=lambda: outcome.update(ok=self.launch([DRAFTER])), name="drafter")
+        attempts: Counter[str] = Counter()
+        with self.engine("extract"):
+            trainer.start()
+            while trainer.is_alive():
+                window = Window.read(self.project.store, registered_shard_keys(self.instance), training.window_shards)
+                states = self.shard_states()
+                todo_shards = [k for k in window.admitted() if states[k] != "done" and attempts[k] < SHARD_ATTEMPTS]
+                if not todo_shards:
+                    trainer.join(timeout=ROLLING_POLL_S)
+                    continue
+                key = todo_shards[0]
+                attempts[key] += 1
+                if not self.launch([HIDDEN_STATES], key) and attempts[key] == SHARD_ATTEMPTS:
+                    self.log(
+                        f"{key} failed {SHARD_ATTEMPTS} times; the drafter waits for it up to training.shard_wait_s="
+                        f"{training.shard_wait_s:g}s. Repair it from another shell (`python -m eagle3_assets.start "
+                        f"--shard {key}`), or stop this command: running it again resumes"
+                    )
+        if not outcome.get("ok"):
+            return False
+        return len(after) == 1 or self.launch(after[1:])
 
     def run_shards(self, keys: Sequence[str]) -> bool:
         require_shard_keys(self.instance, list(keys))

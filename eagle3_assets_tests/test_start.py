@@ -67,6 +67,27 @@ def test_killed_mid_shard_the_same_command_resumes_and_redoes_nothing(tmp_path, 
     assert "3 shards registered, 3 finished, 0 to run" in redo.stdout
 
 
+def test_in_rolling_mode_the_one_command_trains_while_the_window_admits_each_shard(tmp_path, tiny_target_dir):
+    from eagle3_assets.settings import TrainingSettings
+    from eagle3_assets.shard_window import read_consumed
+
+    training = TrainingSettings(
+        mode="rolling", window_shards=1, batch_tokens=512, warmup_steps=2, checkpoint_every=5, heldout_rows=4
+    )
+    op = Operator(tmp_path, tiny_target_dir, training=training)
+    done = op.start("--through", "drafter")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = started(done.stdout)
+    # One shard on disk at a time: each is extracted once the drafter has consumed the one before.
+    assert [line for line in lines if line.startswith("hidden_states")] == [
+        f"hidden_states[{k}]: {s}" for k in SHARDS for s in ("starting", "ok")
+    ]
+    assert lines[-2:] == ["drafter: ok", "finished"]
+    consumed = read_consumed(op.project.store)
+    assert sorted(consumed) == sorted(SHARDS) and all(c.released for c in consumed.values())
+    assert "drafter: shard rows_40-45 consumed at step" in done.stdout + done.stderr
+
+
 @pytest.mark.vllm
 def test_each_phase_shares_one_vllm_server_started_and_stopped_with_the_phase(tmp_path, tiny_target_dir):
     from eagle3_assets.settings import ExtractionSettings, GenerationSettings
