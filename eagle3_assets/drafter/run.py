@@ -13,6 +13,7 @@ from typing import Any
 
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -56,6 +57,17 @@ def train_and_export(
         url = export_drafter(store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids)
         store.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
+
+
+def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
+    """What the `drafter` asset's materialization shows: the summary, the export and where to look."""
+    return {
+        **run.summary,
+        "aux_layer_ids": run.result.aux_layer_ids,
+        "export": run.export_url or "",
+        "checkpoint": store.url_of(run.result.checkpoint),
+        "tensorboard": store.url_of(TENSORBOARD_DIR),
+    }
 
 
 def heldout_metrics(store: ArtifactStore) -> dict[str, float]:

@@ -175,7 +175,7 @@ def run_fingerprint(
 ) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed: the data plan and the schedule."""
     s = settings.model_dump()
-    for volatile in ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s"):
+    for volatile in ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch"):
         s.pop(volatile)
     return {
         "settings": s,
@@ -514,7 +514,7 @@ def train_drafter(
     """
     env = DistEnv.from_environ()
     device = pick_device(settings.device, env)
-    owns_group = init_distributed(env, device)
+    owns_group = init_distributed(env, device, timeout_s=settings.launch.collective_timeout_s)
     try:
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings,

@@ -8,21 +8,19 @@ from dagster import (
     DagsterInstance,
     Failure,
     MaterializeResult,
-    MetadataValue,
     ResourceParam,
     asset,
 )
 
 from eagle3_assets.defs.data.assets import target_model, vocab_map
 from eagle3_assets.defs.failures import failures
-from eagle3_assets.defs.observe import observe, to_metadata
+from eagle3_assets.defs.drafter.launch import train_with_torchrun
+from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.run import train_and_export
-from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.project import Project
 
@@ -45,8 +43,9 @@ def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]
 
 @asset(group_name=GROUP, deps=[vocab_map, HIDDEN_STATES, target_model], pool="gpu", kinds={"pytorch"})
 def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported."""
-    store = project.store
+    """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported.
+
+    Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`)."""
     keys = registered_shard_keys(context.instance)
     if not keys:
         raise Failure("no hidden-state shards are registered: materialize `tokenized` first", allow_retries=False)
@@ -57,20 +56,7 @@ def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
             f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})", allow_retries=False
         )
     with failures():
-        run = train_and_export(
-            store, project.target(), project.settings, keys,
-            on_metrics=lambda step, m: observe(context, {"step": step, **m}) if step % 10 == 0 else None,
-            log=context.log.info,
-        )  # fmt: skip
-    return MaterializeResult(
-        metadata={
-            **to_metadata(run.summary),
-            "aux_layer_ids": MetadataValue.json(run.result.aux_layer_ids),
-            "export": run.export_url or "",
-            "checkpoint": store.url_of(run.result.checkpoint),
-            "tensorboard": store.url_of(TENSORBOARD_DIR),
-        }
-    )
+        return train_with_torchrun(context, project)
 
 
 @asset(group_name=GROUP, deps=[drafter], pool="gpu", kinds={"vllm"})
