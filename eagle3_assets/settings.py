@@ -103,7 +103,7 @@ class LaunchSettings(_Section):
             return None
         host, _, port = value.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{value!r} is not host:port, e.g. 'eagle3-drafter-0.eagle3-drafter:29400'")
+            raise ValueError(f"{value!r} is not host:port, e.g. 'eagle3-drafter-0.eagle3-drafter-pods:29400'")
         return value
 
     @model_validator(mode="after")

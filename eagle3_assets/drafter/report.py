@@ -1,7 +1,9 @@
 """Where a training rank reports: Dagster (through Pipes) when the `drafter` asset launched it, else stdout.
 
-Only rank 0 speaks to Dagster: its logs, a progress observation every OBSERVE_EVERY steps, and
-the figures of the finished run. `dagster_pipes` is the small protocol package made for processes
+One process speaks to Dagster: the first rank on the node that launched the job (only that
+node's torchrun has the Pipes environment), which on one node is rank 0. It sends its logs, a
+progress observation every OBSERVE_EVERY steps (both only where it is rank 0: training logs there)
+and the figures of the finished run (equal on every rank). `dagster_pipes` is the small protocol package made for processes
 Dagster starts; it imports no Dagster, so the command line keeps working where Dagster is absent.
 """
 
@@ -11,7 +13,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from dagster_pipes import PipesContext, is_dagster_pipes_process, open_dagster_pipes
+from dagster_pipes import PipesContext, PipesEnvVarParamsLoader, open_dagster_pipes
 
 from eagle3_assets.drafter.distributed import DistEnv
 
@@ -45,7 +47,7 @@ class Report:
 
 @contextlib.contextmanager
 def open_report(env: DistEnv) -> Iterator[Report]:
-    if env.is_main and is_dagster_pipes_process():
+    if env.local_rank == 0 and PipesEnvVarParamsLoader().is_dagster_pipes_process():
         with open_dagster_pipes() as pipes:
             yield Report(pipes)
     else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
 from eagle3_assets.settings import Settings
@@ -60,11 +60,13 @@ def train_and_export(
 
 
 def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
-    """What the `drafter` asset's materialization shows: the summary, the export and where to look."""
+    """What the `drafter` asset's materialization shows: the summary, the export and where to look.
+
+    The same on every rank (the metrics are summed over ranks; rank 0 writes the export)."""
     return {
         **run.summary,
         "aux_layer_ids": run.result.aux_layer_ids,
-        "export": run.export_url or "",
+        "export": store.url_of(EXPORT_DIR) if run.result.finished else "",
         "checkpoint": store.url_of(run.result.checkpoint),
         "tensorboard": store.url_of(TENSORBOARD_DIR),
     }
