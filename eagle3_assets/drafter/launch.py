@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.settings import LaunchSettings
+from eagle3_assets.storage import ArtifactStore
 
 # A rank's exit status when it refused to train (settings, inputs, a checkpoint of another run):
 # the same refusal would meet a retry, so the asset fails without one.
@@ -58,6 +60,21 @@ def ranks_per_node(launch: LaunchSettings, device: str, *, visible_gpus: int | N
             f"set it to {gpus} or 'auto'"
         )
     return launch.nproc_per_node
+
+
+def refuse_another_world_size(store: ArtifactStore, world_size: int) -> None:
+    """Refuse to resume a checkpoint another number of ranks wrote: the data plan skips the batches
+    with fewer samples than ranks, so the step a checkpoint names is another batch on another count."""
+    rel = latest_checkpoint(store)
+    if rel is None:
+        return
+    saved = store.read_json(f"{rel}/state.json")["run"].get("world_size", 1)
+    if saved != world_size:
+        raise LaunchRefused(
+            f"{store.url_of(rel)} was written by {saved} rank(s) and this job would run {world_size}: resume it on "
+            f"{saved} (training.launch.nnodes x nproc_per_node = {saved}), or remove "
+            f"{store.url_of(CHECKPOINTS_DIR)} to start over on {world_size}"
+        )
 
 
 def torchrun_command(launch: LaunchSettings, nproc: int, log_dir: Path, args: Sequence[str] = ()) -> list[str]:

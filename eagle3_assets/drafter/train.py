@@ -269,7 +269,7 @@ class _Run:
         if int(all_reduce_sum(torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0]))[0]):
             self._stop_non_finite(step, batch, f"the loss is {float(out.loss.detach())}")
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        self.rank_loss(out).backward()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)  # all-reduced already: equal on every rank
         if not torch.isfinite(grad_norm):
@@ -282,6 +282,17 @@ class _Run:
         metrics = counts.all_reduce().metrics(s.step_weight)
         metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=float(batch.num_tokens * self.env.world_size))
         return metrics
+
+    def rank_loss(self, out: TTTOutput) -> torch.Tensor:
+        """The loss this rank backpropagates. DistributedDataParallel averages the ranks' gradients, and each
+        rank's step losses are means over its own positions: weighted by the rank's share of the step's
+        positions, the average is the gradient of the global batch's loss, as one process computes it."""
+        if self.env.world_size == 1:
+            return out.loss
+        n = out.averaged_over.double().cpu()
+        share = n * self.env.world_size / all_reduce_sum(n).clamp(min=1)
+        w = torch.tensor([self.settings.step_weight**k for k in range(len(n))], dtype=torch.float64)
+        return (out.step_terms * (share * w).to(out.step_terms)).sum()
 
     def _stop_non_finite(self, step: int, batch: Batch, what: str) -> None:
         files = ", ".join(self.store.url_of(ref.rel) for ref in batch.samples)

@@ -26,7 +26,14 @@ from dagster import (
 )
 
 from eagle3_assets.defs.observe import observe
-from eagle3_assets.drafter.launch import LaunchRefused, RankFailed, describe_failure, ranks_per_node, torchrun_command
+from eagle3_assets.drafter.launch import (
+    LaunchRefused,
+    RankFailed,
+    describe_failure,
+    ranks_per_node,
+    refuse_another_world_size,
+    torchrun_command,
+)
 from eagle3_assets.drafter.report import METRICS_MESSAGE
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
@@ -71,7 +78,8 @@ def train_with_torchrun(
             f"set {ROOT_ENV} to a directory or an object store"
         )
     launch = settings.training.launch
-    nproc = ranks_per_node(launch, settings.training.device)  # refuses before any rank starts
+    nproc = ranks_per_node(launch, settings.training.device)  # refusals, before any rank starts
+    refuse_another_world_size(store, launch.nnodes * nproc)
     log_dir = Path(tempfile.mkdtemp(prefix="eagle3-drafter-"))
     config = log_dir / "settings.yaml"
     config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
