@@ -266,7 +266,10 @@ class _Run:
                 positions=b.positions, segments=b.segments,
             )  # fmt: skip
         # Every rank stops together: one rank's NaN would reach all of them through the gradient all-reduce.
-        if int(all_reduce_sum(torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0]))[0]):
+        non_finite, tokens = all_reduce_sum(
+            torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0, float(batch.num_tokens)], dtype=torch.float64)
+        ).tolist()
+        if non_finite:
             self._stop_non_finite(step, batch, f"the loss is {float(out.loss.detach())}")
         self.optimizer.zero_grad(set_to_none=True)
         self.rank_loss(out).backward()
@@ -280,7 +283,7 @@ class _Run:
         counts = StepCounts.zeros(s.ttt_steps)
         counts.add(out)
         metrics = counts.all_reduce().metrics(s.step_weight)
-        metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=float(batch.num_tokens * self.env.world_size))
+        metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=tokens)
         return metrics
 
     def rank_loss(self, out: TTTOutput) -> torch.Tensor:
