@@ -118,13 +118,13 @@ def failed_rank(torchrun_output: str) -> FailedRank | None:
 
 def last_log_line(log_dir: Path, local_rank: int) -> str:
     """The last line a local rank wrote (its error, when it raised one), from torchrun's per-rank logs."""
-    lines: list[tuple[float, str]] = []
+    lines: list[tuple[float, bool, str]] = []
     for name in ("stderr.log", "stdout.log"):
         for path in log_dir.glob(f"*/attempt_*/{local_rank}/{name}"):
             text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-            if text:
-                lines.append((path.stat().st_mtime, text[-1].strip()))
-    return max(lines)[1] if lines else "(it wrote nothing)"
+            if text:  # the newer file's last line; on a tie stderr's, where an error goes
+                lines.append((path.stat().st_mtime, name == "stderr.log", text[-1].strip()))
+    return max(lines)[2] if lines else "(it wrote nothing)"
 
 
 def describe_failure(torchrun_output: str, returncode: int, log_dir: Path) -> RankFailed:
