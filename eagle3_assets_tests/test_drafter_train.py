@@ -265,7 +265,9 @@ TWO_RANK_RUN = textwrap.dedent(
 )
 
 
-def torchrun_training(tmp_path: Path, data, ranks: int, name: str) -> tuple[Path, list[dict]]:
+def torchrun_training(
+    tmp_path: Path, data, ranks: int, name: str, settings: TrainingSettings = SETTINGS
+) -> tuple[Path, list[dict]]:
     """`train_drafter` under torchrun with `ranks` CPU ranks (gloo) on a copy of the store: each rank's result."""
     root, keys, vmap = data
     work = tmp_path / name
@@ -273,7 +275,7 @@ def torchrun_training(tmp_path: Path, data, ranks: int, name: str) -> tuple[Path
     (work / "run.py").write_text(TWO_RANK_RUN)
     (work / "args.json").write_text(json.dumps({
         "store": str(work / "store"), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
-        "target": str(root / "target"), "settings": SETTINGS.model_dump(), "out": str(work),
+        "target": str(root / "target"), "settings": settings.model_dump(), "out": str(work),
     }))  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
@@ -288,8 +290,11 @@ def torchrun_training(tmp_path: Path, data, ranks: int, name: str) -> tuple[Path
 def test_two_ranks_train_what_one_rank_trains_with_the_same_global_batch(tmp_path, data):
     """torchrun with 2 CPU ranks (gloo): ranks stay in sync, only rank 0 writes, and each step trains the
     global batch one rank trains (split in two, gradients reweighted): the same losses, weights and acc_k."""
-    store_dir, (r0, r1) = torchrun_training(tmp_path, data, 2, "two")
-    _, (one,) = torchrun_training(tmp_path, data, 1, "one")
+    # 112-token batches: every planned batch of both epochs holds 5 samples or more, so 2 ranks skip none
+    # (a batch of one sample is one rank's alone; `test_split_batch_…`).
+    settings = SETTINGS.model_copy(update={"batch_tokens": 112})
+    store_dir, (r0, r1) = torchrun_training(tmp_path, data, 2, "two", settings)
+    _, (one,) = torchrun_training(tmp_path, data, 1, "one", settings)
     assert r0["step"] == r0["total"] == r1["step"] == one["total"] > 0
     assert r0["digest"] == r1["digest"]  # DistributedDataParallel kept the replicas identical
     assert r0["heldout"] == r1["heldout"] and set(r0["heldout"]) >= {"acc_0", "acc_1", "acc_2"}
@@ -304,8 +309,9 @@ def test_two_ranks_train_what_one_rank_trains_with_the_same_global_batch(tmp_pat
     # Another number of ranks does not resume it: the refusal names both and what to set.
     with pytest.raises(LaunchRefused) as refused:
         refuse_another_world_size(store, 1)
+    last = store.url_of(checkpoint_rel(r0["total"]))
     assert str(refused.value) == (
-        f"{store.url_of(f'drafter/checkpoints/step_{r0['total']}')} was written by 2 rank(s) and this job would run "
+        f"{last} was written by 2 rank(s) and this job would run "
         f"1: resume it on 2 (training.launch.nnodes x nproc_per_node = 2), or remove "
         f"{store.url_of('drafter/checkpoints')} to start over on 1"
     )
