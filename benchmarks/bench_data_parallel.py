@@ -7,9 +7,9 @@ shards (`bench_training.write_demo_shards`), trained by `train_drafter` under to
 `drafter` asset launches it: first 1 rank with all `--threads`, then `--ranks` ranks sharing them
 (threads / ranks each), each run with the same `batch_tokens` per optimizer step over all ranks.
 tokens/s counts every rank's tokens over the median step time after `--warmup` steps.
-On a CPU the ranks share the cores one rank already uses, so this measures the cost of the
-split (smaller matmuls, the gradient all-reduce), not a speed-up; the GPU figure is the
-data-parallel case of `gpu_check.py`.
+On a CPU the ranks share the cores one rank already uses, so this measures what the split
+costs (the gradient all-reduce, smaller matmuls) or gains (processes in place of threads), not
+more hardware; the GPU figure is the data-parallel case of `gpu_check.py`.
 """
 
 from __future__ import annotations
