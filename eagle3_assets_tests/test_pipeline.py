@@ -192,7 +192,7 @@ def test_verify_shards_rechecks_without_extracting_and_the_drafter_refuses_bad_s
             for e in healthy.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"} == dict.fromkeys(
         ["rows_0-20", "rows_20-40", "rows_40-45"], True)  # fmt: skip
     output = next(e for e in healthy.all_events if e.event_type_value == "STEP_OUTPUT")
-    assert {k: v.value for k, v in output.event_specific_data.metadata.items()} == {"shards": 3, "rows": 45}
+    assert {k: v.value for k, v in output.event_specific_data.metadata.items()} == {"shards": 3, "rows": 45, "released": 0}
 
 
 def test_a_target_without_a_chat_template_fails_naming_it(pipeline, tmp_path):
