@@ -3,9 +3,11 @@ line, and what a failed job says (a real torchrun job whose rank 1 is SIGKILLed)
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -17,6 +19,7 @@ from eagle3_assets.drafter.launch import (
     ranks_per_node,
     torchrun_command,
 )
+from eagle3_assets.processes import process_alive
 from eagle3_assets.settings import LaunchSettings, SettingsError, parse_settings
 
 
@@ -104,3 +107,29 @@ def test_a_failed_rank_is_named_with_how_it_ended_and_its_last_log_line(tmp_path
 def test_a_job_that_failed_without_torchrun_s_report_is_described_by_its_last_line(tmp_path):
     error = describe_failure("starting\nrendezvous timed out\n", 1, tmp_path)
     assert str(error) == "the training job (torchrun) exited 1: rendezvous timed out"
+
+
+ORPHAN = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from eagle3_assets.processes import terminate_with_parent
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=terminate_with_parent)
+    print(job.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_job_does_not_outlive_the_process_that_started_it():
+    """The asset's process SIGKILLed (an OOM kill, a lost pod): its training job is stopped, not orphaned."""
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    job = int(parent.stdout.readline())
+    assert process_alive(job)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):  # the kernel signals the job as the parent exits; give the scheduler time
+        if not process_alive(job):
+            break
+        time.sleep(0.1)
+    assert not process_alive(job)

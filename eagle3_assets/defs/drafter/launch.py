@@ -4,7 +4,8 @@ Rank 0 of the job (`eagle3_assets.drafter.report`) sends its log lines, a progre
 every few steps and the finished run's figures; this side turns them into the asset's logs,
 observations and materialization. torchrun's own console (every rank, prefixed) goes to this
 step's stdout. While the job runs, `watch()` is called every `poll_s` seconds: an exception from it
-stops the job. A run that is stopped (terminated from the UI, or `watch` raising) stops the job too.
+stops the job. A run that is stopped (terminated from the UI, or `watch` raising) stops the job too,
+and so does this process's death (`terminate_with_parent`).
 """
 
 import os
@@ -35,6 +36,7 @@ from eagle3_assets.drafter.launch import (
     torchrun_command,
 )
 from eagle3_assets.drafter.report import METRICS_MESSAGE
+from eagle3_assets.processes import terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
 
@@ -94,7 +96,10 @@ def train_with_torchrun(
     ) as session:
         env = {**os.environ, CONFIG_ENV: str(config), ROOT_ENV: store.url, **session.get_bootstrap_env_vars()}
         with console.open("wb") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=terminate_with_parent,
+            )  # fmt: skip
         offset = 0
         try:
             while proc.poll() is None:
