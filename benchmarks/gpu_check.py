@@ -18,6 +18,10 @@ unpacks the wheels the machine lacks into `.gpu_deps/site`, which this script pu
    MFU (6 x trainable params x tokens x TTT steps, plus the frozen target head's forward).
 3. Loader: samples/s reading Kimi-shaped sample files from local disk through the training
    loader, over the samples/s a training step consumes.
+4. Data parallel: the Kimi-shaped training step (T=8,192 per rank) under torchrun with one rank
+   per visible GPU (DistributedDataParallel over NCCL, as the `drafter` asset launches it): tokens/s
+   of all ranks, and the scaling over that many single-GPU steps (1.0 = linear). --dry-run: 2 gloo
+   ranks on the CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import argparse
 import json
 import math
 import platform
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +46,7 @@ sys.path.append(str(REPO / ".gpu_deps" / "site"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from eagle3_assets.drafter.data import BatchLoader, index_samples  # noqa: E402
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
@@ -177,6 +184,10 @@ def training(shape: Shape, seq_len: int, device: torch.device, steps: int, warmu
         torch.cuda.reset_peak_memory_stats(device)
     settings = TrainingSettings(ttt_steps=7, device=device.type)
     model, head = drafter_parts(shape, device)
+    # Under torchrun (the data-parallel case) the step is the trainer's: gradients all-reduced by DDP.
+    stepped = model
+    if dist.is_initialized():
+        stepped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     params = sum(p.numel() for p in trainable)
     opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95))
@@ -193,7 +204,7 @@ def training(shape: Shape, seq_len: int, device: torch.device, steps: int, warmu
         t0 = time.perf_counter()
         targets = head.targets(last, True, model.t2d)
         with autocast(device):
-            out = step(model, ids, aux, mask, lengths, targets)
+            out = step(stepped, ids, aux, mask, lengths, targets)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
@@ -205,7 +216,7 @@ def training(shape: Shape, seq_len: int, device: torch.device, steps: int, warmu
     # Training FLOPs: fwd+bwd of the drafter at every TTT step, and the target head's forward once.
     flops = 6 * params * seq_len * settings.ttt_steps + 2 * shape.vocab * shape.hidden * seq_len
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    del model, head, opt
+    del model, stepped, head, opt
     return {
         "shape": shape.name, "seq_len": seq_len, "ttt_steps": settings.ttt_steps, "trainable_params": params,
         "step_s": step_s, "tokens_per_s": seq_len / step_s, "samples_per_s": 1 / step_s,
@@ -243,6 +254,44 @@ def loader(shape: Shape, seq_len: int, samples: int, workdir: Path, consumed_per
     }  # fmt: skip
 
 
+SHAPES = {s.name: s for s in (LLAMA_8B, KIMI, TOY)}
+
+
+def data_parallel(shape: Shape, seq_len: int, ranks: int, steps: int, warmup: int, single: dict, workdir: Path) -> dict:
+    """The training step on `ranks` ranks (this script again, under torchrun): tokens/s of all ranks together."""
+    out = workdir / "data_parallel.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
+        "--dp-worker", f"{shape.name},{seq_len},{steps},{warmup}", "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    rank0 = json.loads(out.read_text())
+    total = ranks * rank0["tokens_per_s"]
+    return {
+        "shape": shape.name, "ranks": ranks, "seq_len_per_rank": seq_len, "step_s": rank0["step_s"],
+        "tokens_per_s_all_ranks": total, "scaling": total / (ranks * single["tokens_per_s"]),
+        "peak_memory_gib": rank0["peak_memory_gib"],
+    }  # fmt: skip
+
+
+def dp_worker(spec: str, out: Path) -> int:
+    """One rank of the data-parallel case; rank 0 writes its figures to `out`."""
+    name, seq_len, steps, warmup = spec.split(",")
+    cuda = torch.cuda.is_available()
+    local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        result = training(SHAPES[name], int(seq_len), device, int(steps), int(warmup))
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        out.write_text(json.dumps(result))
+    return 0
+
+
 def print_table(report: dict) -> None:
     print(f"\n{'check':<44}{'figure':>16}")
     for e in report["extraction"]:
@@ -254,6 +303,9 @@ def print_table(report: dict) -> None:
         print(f"{label:<44}{t['tokens_per_s']:>10.0f}, {t['mfu']:.3f}, {t['peak_memory_gib']:.1f} GiB")
     for ld in report["loader"]:
         print(f"{'loader ' + ld['shape'] + ' samples/s / training':<44}{ld['loader_samples_per_s']:>10.1f} / {ld['training_samples_per_s']:.2f} = {ld['loader_over_training']:.1f}x")
+    for d in report["data_parallel"]:
+        label = f"train {d['shape']} x{d['ranks']} ranks tokens/s, scaling"
+        print(f"{label:<44}{d['tokens_per_s_all_ranks']:>10.0f}, {d['scaling']:.2f}")
     print(f"\n{report['seconds']:.0f} s on {report['device']}\n")
 
 
@@ -262,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="every path at toy sizes, on the CPU")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "gpu_check.json")
     ap.add_argument("--workdir", type=Path, default=None, help="local disk for the written shards (default: a temp dir)")
+    ap.add_argument("--dp-worker", default=None, help=argparse.SUPPRESS)  # shape,seq_len,steps,warmup: one torchrun rank
     args = ap.parse_args(argv)
+    if args.dp_worker:
+        return dp_worker(args.dp_worker, args.out)
     started = time.perf_counter()
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     if not args.dry_run and device.type != "cuda":
@@ -270,13 +325,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.workdir))
     if args.dry_run:
-        plan = {"extraction": [(TOY, 8, (8, 24))], "training": [(TOY, 32), (TOY, 64)], "steps": (2, 1), "loader": (TOY, 32, 8)}
+        plan = {"extraction": [(TOY, 8, (8, 24))], "training": [(TOY, 32), (TOY, 64)], "steps": (2, 1), "loader": (TOY, 32, 8),
+                "data_parallel": (TOY, 64, 2)}  # fmt: skip
     else:
         plan = {
             "extraction": [(LLAMA_8B, 256, (1000, 3000))],
             "training": [(KIMI, 2048), (KIMI, 8192), (LLAMA_8B, 2048), (LLAMA_8B, 8192)],
             "steps": (5, 2),
             "loader": (KIMI, 2048, 16),
+            "data_parallel": (KIMI, 8192, torch.cuda.device_count()),
         }
     report: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
                     "torch": torch.__version__, "dry_run": args.dry_run}  # fmt: skip
@@ -294,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         consumed = next(t["samples_per_s"] for t in report["training"] if (t["shape"], t["seq_len"]) == (shape.name, seq_len))
         log(f"loader: {samples} {shape.name} samples of {seq_len} tokens from local disk")
         report["loader"] = [loader(shape, seq_len, samples, workdir, consumed)]
+        shape, seq_len, ranks = plan["data_parallel"]
+        single = next(t for t in report["training"] if (t["shape"], t["seq_len"]) == (shape.name, seq_len))
+        log(f"data parallel: {shape.name}, T={seq_len} per rank, {ranks} ranks under torchrun")
+        report["data_parallel"] = [data_parallel(shape, seq_len, ranks, steps, warmup, single, workdir)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report["seconds"] = time.perf_counter() - started

@@ -9,12 +9,26 @@ reused by a later process is not mistaken for the one that was recorded.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+# Loaded here, not in the forked child: a child of a threaded parent must not import or load anything.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def terminate_with_parent() -> None:
+    """`preexec_fn` of a job that must not outlive the process that started it (a training job whose run
+    was SIGKILLed would keep its GPUs and write beside the rerun): SIGTERM when the starting thread dies.
+    Linux only; elsewhere the run's own stop is all there is."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:

@@ -77,6 +77,50 @@ class ExtractionSettings(_Section):
         return cron
 
 
+class LaunchSettings(_Section):
+    """How the `drafter` asset starts training: a torchrun job of `nnodes` x `nproc_per_node` ranks."""
+
+    nproc_per_node: Literal["auto"] | int = Field(
+        "auto", description="ranks on this node: auto = one per visible GPU (1 without CUDA), or a number "
+        "(on CPU, several gloo ranks: tests and benchmarks)",
+    )
+    nnodes: int = Field(1, ge=1, description="nodes in the job; every node runs the same torchrun command")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port where the nodes meet (torchrun's rendezvous); required when nnodes > 1"
+    )
+    rdzv_id: str = Field("eagle3-drafter", min_length=1, description="the job's name at the rendezvous")
+    rdzv_backend: Literal["c10d"] = "c10d"
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="a collective that waits longer than this (a rank lost) ends the job"
+    )
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"{value!r}: give 'auto' (one rank per visible GPU) or a whole number of ranks, 1 or more")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r} is not host:port, e.g. 'eagle3-drafter-0.eagle3-drafter-pods:29400'")
+        return value
+
+    @model_validator(mode="after")
+    def _nodes_meet(self) -> LaunchSettings:
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(
+                f"nnodes: {self.nnodes} nodes must meet somewhere: set training.launch.rdzv_endpoint to host:port "
+                "of a node every node reaches (on Kubernetes, the rendezvous Service)"
+            )
+        return self
+
+
 class TrainingSettings(_Section):
     """How the drafter is trained (`drafter`)."""
 
@@ -100,6 +144,7 @@ class TrainingSettings(_Section):
     checkpoint_every: int = Field(200, ge=1, description="optimizer steps between resumable checkpoints")
     heldout_rows: int = Field(64, ge=0, description="rows held out of training to report acc_k")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    launch: LaunchSettings = LaunchSettings()
     # The recipe. Defaults by the ablation (BENCHMARKS.md): the three norms together drafted
     # 5.5% (k=3) / 7.8% (k=7) better than none at the same steps and cost; the other options
     # did not move acceptance. SGLang cannot serve the norms: see `serve_with`.

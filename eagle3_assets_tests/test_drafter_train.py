@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
 from eagle3_assets.drafter.checkpoint import CheckpointError, checkpoint_rel, list_checkpoints, save_checkpoint
+from eagle3_assets.drafter.launch import LaunchRefused, refuse_another_world_size
 from eagle3_assets.drafter.train import NonFiniteLossError, TrainingError, train_drafter
 from eagle3_assets.hidden_states.sample_file import read_header
 from eagle3_assets.settings import TrainingSettings
@@ -251,41 +252,70 @@ TWO_RANK_RUN = textwrap.dedent(
 
     args = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
+    curve = []
     r = train_drafter(
         ArtifactStore(args["store"]), args["keys"], vmap=VocabMap(np.array(args["d2t"]), np.array(args["t2d"])),
         target=TargetModel.read(args["target"], aux_layer_ids=[1, 2, 3]), settings=TrainingSettings(**args["settings"]),
-        log=lambda _: None,
+        log=lambda _: None, on_metrics=lambda step, m: curve.append([step, m["loss"], m["acc_0"]]),
     )
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in r.model.trainable_state_dict().values())).hexdigest()
-    out = {"step": r.step, "total": r.total_steps, "digest": digest, "heldout": r.heldout}
+    out = {"step": r.step, "total": r.total_steps, "digest": digest, "heldout": r.heldout, "curve": curve}
     open(os.path.join(args["out"], f"rank_{os.environ['RANK']}.json"), "w").write(json.dumps(out))
     """
 )
 
 
-@pytest.mark.slow
-def test_two_rank_data_parallel_run(tmp_path, data):
-    """torchrun with 2 CPU ranks (gloo): ranks stay in sync, only rank 0 writes."""
+def torchrun_training(
+    tmp_path: Path, data, ranks: int, name: str, settings: TrainingSettings = SETTINGS
+) -> tuple[Path, list[dict]]:
+    """`train_drafter` under torchrun with `ranks` CPU ranks (gloo) on a copy of the store: each rank's result."""
     root, keys, vmap = data
-    copy_store(data, tmp_path / "store")
-    (tmp_path / "run.py").write_text(TWO_RANK_RUN)
-    (tmp_path / "args.json").write_text(json.dumps({
-        "store": str(tmp_path / "store"), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
-        "target": str(root / "target"), "settings": SETTINGS.model_dump(), "out": str(tmp_path),
-    }))
+    work = tmp_path / name
+    copy_store(data, work / "store")
+    (work / "run.py").write_text(TWO_RANK_RUN)
+    (work / "args.json").write_text(json.dumps({
+        "store": str(work / "store"), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
+        "target": str(root / "target"), "settings": settings.model_dump(), "out": str(work),
+    }))  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "run.py"), str(tmp_path / "args.json")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(work / "run.py"), str(work / "args.json")],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1))
-    assert r0["step"] == r0["total"] == r1["step"] > 0
+    return work / "store", [json.loads((work / f"rank_{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_rank_trains_with_the_same_global_batch(tmp_path, data):
+    """torchrun with 2 CPU ranks (gloo): ranks stay in sync, only rank 0 writes, and each step trains the
+    global batch one rank trains (split in two, gradients reweighted): the same losses, weights and acc_k."""
+    # 112-token batches: every planned batch of both epochs holds 5 samples or more, so 2 ranks skip none
+    # (a batch of one sample is one rank's alone; `test_split_batch_…`).
+    settings = SETTINGS.model_copy(update={"batch_tokens": 112})
+    store_dir, (r0, r1) = torchrun_training(tmp_path, data, 2, "two", settings)
+    _, (one,) = torchrun_training(tmp_path, data, 1, "one", settings)
+    assert r0["step"] == r0["total"] == r1["step"] == one["total"] > 0
     assert r0["digest"] == r1["digest"]  # DistributedDataParallel kept the replicas identical
     assert r0["heldout"] == r1["heldout"] and set(r0["heldout"]) >= {"acc_0", "acc_1", "acc_2"}
-    store = ArtifactStore(tmp_path / "store")
+    # Only the order of float sums differs between one and two ranks.
+    assert [s for s, *_ in r0["curve"]] == [s for s, *_ in one["curve"]] == list(range(1, one["total"] + 1))
+    for (_, loss2, acc2), (_, loss1, acc1) in zip(r0["curve"], one["curve"], strict=True):
+        assert loss2 == pytest.approx(loss1, rel=1e-4) and acc2 == acc1
+    assert r0["heldout"] == pytest.approx(one["heldout"], rel=1e-4)
+    store = ArtifactStore(store_dir)
     assert list_checkpoints(store)[-1] == r0["total"]
     assert store.read_json(f"drafter/checkpoints/step_{r0['total']}/state.json")["run"]["world_size"] == 2
+    # Another number of ranks does not resume it: the refusal names both and what to set.
+    with pytest.raises(LaunchRefused) as refused:
+        refuse_another_world_size(store, 1)
+    last = store.url_of(checkpoint_rel(r0["total"]))
+    assert str(refused.value) == (
+        f"{last} was written by 2 rank(s) and this job would run "
+        f"1: resume it on 2 (training.launch.nnodes x nproc_per_node = 2), or remove "
+        f"{store.url_of('drafter/checkpoints')} to start over on 1"
+    )
+    refuse_another_world_size(store, 2)
 
 
 def test_a_non_finite_loss_stops_training_naming_the_batch_and_no_bad_weights_are_published(tmp_path, data):

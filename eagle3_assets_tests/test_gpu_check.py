@@ -1,5 +1,6 @@
 """The prepared GPU check cannot rot: its --dry-run runs every path (extraction through the HF
-backend and extract_shard, drafter training steps, the loader) at toy sizes on the CPU."""
+backend and extract_shard, drafter training steps, the loader, 2 data-parallel gloo ranks) at toy
+sizes on the CPU."""
 
 from __future__ import annotations
 
@@ -29,4 +30,8 @@ def test_the_gpu_check_runs_every_path_at_toy_sizes(tmp_path):
     assert all(t["tokens_per_s"] > 0 and math.isfinite(t["mfu"]) for t in report["training"])
     (ld,) = report["loader"]
     assert ld["samples"] == 8 and ld["loader_over_training"] > 0
+    (dp,) = report["data_parallel"]
+    assert (dp["shape"], dp["ranks"], dp["seq_len_per_rank"]) == ("toy", 2, 64)
+    assert dp["tokens_per_s_all_ranks"] > 0 and dp["scaling"] > 0
     assert "extract toy tokens/s" in proc.stdout and "loader toy samples/s" in proc.stdout
+    assert "train toy x2 ranks tokens/s, scaling" in proc.stdout

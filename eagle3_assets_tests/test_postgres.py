@@ -269,7 +269,7 @@ def test_the_step_executor_config_is_valid_and_puts_gpus_where_they_belong():
         "vocab_map": (None, None),
         "responses": (None, None),  # a client of the vLLM server
         "hidden_states": (None, None),  # a client of the vLLM servers, on any CPU node
-        "drafter": ("1", {"nvidia.com/gpu.present": "true"}),
+        "drafter": ("8", {"nvidia.com/gpu.present": "true"}),  # every GPU of the node: torchrun, auto
         "drafter_eval": ("8", {"nvidia.com/gpu.present": "true"}),
     }
     # The shard pod reads the servers' files from the shared store, not from a server's node.
@@ -337,7 +337,7 @@ def test_the_manifests_are_valid_kubernetes_objects():
         "Secret": k8s.V1Secret,
     }
     seen = []
-    for name in ["vllm.yaml", "config.yaml", "secrets.example.yaml"]:
+    for name in ["vllm.yaml", "drafter.yaml", "config.yaml", "secrets.example.yaml"]:
         for doc in _manifests(name):
             model = kinds[doc["kind"]]
             # Strict: an unknown or misspelt field raises, naming the model class.
@@ -349,8 +349,10 @@ def test_the_manifests_are_valid_kubernetes_objects():
         ("PersistentVolumeClaim", "eagle3-store"),
         ("Secret", "dagster-postgresql-secret"),
         ("Secret", "eagle3-secrets"),
+        ("Service", "eagle3-drafter-pods"),
         ("Service", "eagle3-vllm"),
         ("Service", "eagle3-vllm-pods"),
+        ("StatefulSet", "eagle3-drafter"),
         ("StatefulSet", "eagle3-vllm"),
     ]
 
@@ -399,6 +401,29 @@ def test_the_deployment_files_agree_with_each_other_and_the_settings():
     # drafter_eval's GPUs match the tensor-parallel size it serves with.
     eval_gpus = executor["per_step_k8s_config"]["drafter_eval"]["container_config"]["resources"]["limits"]
     assert int(eval_gpus["nvidia.com/gpu"]) == settings.vllm.tensor_parallel_size
+    # Training: the step pod and each training node hold every GPU of a GPU node; the training nodes run the
+    # asset's torchrun command and meet at the rendezvous Service, with the store and models where the step pod has them.
+    launch = settings.training.launch
+    trainers, rendezvous = _manifests("drafter.yaml")
+    train_pod = trainers["spec"]["template"]["spec"]
+    (torchrun,) = train_pod["containers"]
+    drafter_gpus = executor["per_step_k8s_config"]["drafter"]["container_config"]["resources"]["limits"]["nvidia.com/gpu"]
+    assert torchrun["resources"]["limits"]["nvidia.com/gpu"] == drafter_gpus == vllm["resources"]["limits"]["nvidia.com/gpu"]
+    assert launch.nproc_per_node == "auto" and launch.nnodes == servers["spec"]["replicas"]  # all GPU nodes
+    assert torchrun["command"] + torchrun["args"] == [
+        "python", "-m", "torch.distributed.run", f"--nproc-per-node={drafter_gpus}", "--max-restarts=0",
+        f"--nnodes={launch.nnodes}", f"--rdzv-backend={launch.rdzv_backend}", f"--rdzv-endpoint={launch.rdzv_endpoint}",
+        f"--rdzv-id={launch.rdzv_id}", "-m", "eagle3_assets.drafter",
+    ]  # fmt: skip
+    host, port = launch.rdzv_endpoint.split(":")
+    assert host == f"{trainers['metadata']['name']}-0.{rendezvous['metadata']['name']}"
+    assert trainers["spec"]["serviceName"] == rendezvous["metadata"]["name"] and rendezvous["spec"]["clusterIP"] == "None"
+    assert rendezvous["spec"]["ports"][0]["port"] == int(port) == torchrun["ports"][0]["containerPort"]
+    assert torchrun["envFrom"] == vllm["envFrom"]
+    assert {m["name"]: m["mountPath"] for m in torchrun["volumeMounts"]}.items() >= {
+        "store": env["EAGLE3_ROOT"], "models": server_mounts["models"], "eagle3-config": "/etc/eagle3"}.items()
+    assert {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in train_pod["volumes"]}.items() >= {
+        "store": "eagle3-store", "models": "eagle3-models"}.items()
     # Every pod gets the same env, settings file, executor file and model volume.
     code = values["dagster-user-deployments"]["deployments"][0]
     assert code["dagsterApiGrpcArgs"] == ["--module-name", "eagle3_assets.definitions"]

@@ -6,6 +6,8 @@ ttt.py          the training-time-test objective (alignment, masking, loss, acc_
 data.py         shard guard, sample index, deterministic resumable batches
 checkpoint.py   resumable training state in the store, no pickles
 train.py        train_drafter(...): the run (single process or torchrun data-parallel)
+launch.py       the torchrun job the `drafter` asset starts: ranks per node, command, a failed rank named
+report.py       where a rank reports: Dagster Pipes when the asset launched it, else stdout
 export.py       the servable export, checked against the names engines load
 vllm_eval.py    serve the export with its target in vLLM and read the acceptance
 """

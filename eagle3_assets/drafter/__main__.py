@@ -5,9 +5,13 @@
 
 Settings from $EAGLE3_CONFIG, the store at $EAGLE3_ROOT, the target the settings name,
 every shard of the tokenized set and the stored vocab map: the same inputs and the same
-`train_and_export` as the `drafter` asset. Without Dagster there is no recorded check
+`train_and_export` as the `drafter` asset, which launches exactly this under torchrun and
+hears rank 0 through Dagster Pipes (`report.py`). Without Dagster there is no recorded check
 status to consult, so the guard here reads each shard's `_SUCCESS.json` against the
-tokenized set; the loader then checks every sample as it reads it.
+tokenized set; the loader then checks every sample as it reads it. Rolling training
+(`training.mode: rolling`) waits for each shard and checks it itself, so it skips this guard.
+
+Exit status: 0 done, 1 failed (a retry may help), 3 refused (`launch.EXIT_REFUSED`: it will not).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from eagle3_assets.drafter.run import train_and_export
-from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.drafter.distributed import DistEnv
+from eagle3_assets.drafter.launch import EXIT_REFUSED
+from eagle3_assets.drafter.report import Report, open_report
+from eagle3_assets.drafter.run import DrafterRun, run_figures, train_and_export
+from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states.integrity import manifest_problem
 from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import Project
@@ -25,25 +32,45 @@ from eagle3_assets.shards import plan_shards
 from eagle3_assets.tokenized import TokenizedSet
 
 
+class UnusableShards(Refusal):
+    """Some shard's `_SUCCESS.json` does not match the tokenized set."""
+
+
+def train(report: Report, max_steps: int | None) -> DrafterRun:
+    project = Project.from_environment()
+    store, settings = project.store, project.settings
+    target = project.target()
+    tokenized = TokenizedSet.load(store)
+    shards = plan_shards(tokenized.num_rows, settings.shard_size)
+    if settings.training.mode != "rolling":
+        spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype)
+        bad = {s.key: p for s in shards if (p := manifest_problem(store, tokenized, s, spec))}
+        if bad:
+            raise UnusableShards(
+                "drafter refuses to train: " + "; ".join(f"{k}: _SUCCESS.json {p}" for k, p in bad.items())
+            )
+    run = train_and_export(
+        store, target, settings, [s.key for s in shards], on_metrics=report.metrics, log=report.log,
+        max_steps=max_steps,
+    )  # fmt: skip
+    report.finished(run_figures(store, run))
+    return run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eagle3_assets.drafter", description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) at this global step")
     args = ap.parse_args(argv)
-    try:
-        project = Project.from_environment()
-        store, settings = project.store, project.settings
-        target = project.target()
-        tokenized = TokenizedSet.load(store)
-        shards = plan_shards(tokenized.num_rows, settings.shard_size)
-        spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype)
-        bad = {s.key: p for s in shards if (p := manifest_problem(store, tokenized, s, spec))}
-        if bad:
-            print("drafter refuses to train: " + "; ".join(f"{k}: _SUCCESS.json {p}" for k, p in bad.items()))
-            return 1
-        run = train_and_export(store, target, settings, [s.key for s in shards], max_steps=args.max_steps)
-    except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    env = DistEnv.from_environ()
+    with open_report(env) as report:
+        if env.world_size > 1:
+            report.log(f"drafter: rank {env.rank} of {env.world_size} (local rank {env.local_rank}) started")
+        try:
+            run = train(report, args.max_steps)
+        except Eagle3Error as e:
+            # The rank's last line: the launcher quotes it when the job fails.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1 if e.retryable else EXIT_REFUSED
     if run.export_url:
         print(f"drafter: exported to {run.export_url}")
     return 0

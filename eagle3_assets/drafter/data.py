@@ -356,6 +356,18 @@ def plan_epoch(
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+def split_batch(lengths: Sequence[int], batch: Sequence[int], world_size: int) -> list[list[int]]:
+    """One batch's samples dealt to `world_size` ranks, each (longest first) to the rank with the fewest
+    tokens so far: every rank about the same work, and every rank at least one sample when there are enough."""
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    tokens = [0] * world_size
+    for i in sorted(batch, key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (tokens[r], r))
+        shares[r].append(i)
+        tokens[r] += lengths[i]
+    return shares
+
+
 @dataclass(frozen=True, order=True)
 class DataPosition:
     """The next batch to train on: `batch` counts this rank's steps within `epoch`."""
@@ -367,10 +379,9 @@ class DataPosition:
 class BatchLoader:
     """Training batches of one rank, in the planned order, loaded ahead by worker threads.
 
-    With `world_size` ranks each plan is cut into per-rank batches of budget
-    `batch_tokens // world_size` (so one optimizer step over all ranks still sees about
-    `batch_tokens`), and step i of rank r is planned batch i * world_size + r; the
-    last < world_size batches of an epoch are dropped so all ranks step together.
+    The plan does not depend on the number of ranks: with `world_size` ranks each planned batch
+    (of `batch_tokens`) is dealt out between them (`split_batch`), so one optimizer step over all
+    ranks trains the batch one process would; a batch with fewer samples than ranks is skipped.
     """
 
     def __init__(
@@ -391,7 +402,7 @@ class BatchLoader:
         self.store = store
         self.samples = list(samples)
         self.lengths = [s.length for s in self.samples]
-        self.budget = max(1, batch_tokens // world_size)
+        self.budget = batch_tokens
         self.seed, self.rank, self.world_size, self.order = seed, rank, world_size, order
         self.prefetch, self.workers = max(1, prefetch), max(1, workers)
         self._plans: dict[int, list[list[int]]] = {}
@@ -400,8 +411,10 @@ class BatchLoader:
         """This rank's batches of `epoch` (sample indices), cached."""
         if epoch not in self._plans:
             plan = plan_epoch(self.lengths, epoch, self.seed, self.budget, self.order)
-            steps = len(plan) // self.world_size
-            self._plans[epoch] = [plan[i * self.world_size + self.rank] for i in range(steps)]
+            if self.world_size > 1:
+                n = self.world_size
+                plan = [split_batch(self.lengths, b, n)[self.rank] for b in plan if len(b) >= n]
+            self._plans[epoch] = plan
         return self._plans[epoch]
 
     def steps_in_epoch(self, epoch: int) -> int:

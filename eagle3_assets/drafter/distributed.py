@@ -6,6 +6,7 @@ torchrun describes the job in WORLD_SIZE / RANK / LOCAL_RANK; without them this 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +39,16 @@ def pick_device(setting: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(env: DistEnv, device: torch.device) -> bool:
-    """Join the process group torchrun describes; True when this call created it (and so must destroy it)."""
+def init_distributed(env: DistEnv, device: torch.device, *, timeout_s: float = 600.0) -> bool:
+    """Join the process group torchrun describes; True when this call created it (and so must destroy it).
+
+    A collective that waits longer than `timeout_s` raises on every rank still alive, so a rank lost
+    where torchrun cannot see it (another node) still ends the job in bounded time."""
     if env.world_size <= 1 or dist.is_initialized():
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return True
 
 

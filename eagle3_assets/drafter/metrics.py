@@ -14,30 +14,31 @@ from eagle3_assets.drafter.ttt import TTTOutput
 class StepCounts:
     """Sums over ranks and batches, from which loss/acc_k are reported."""
 
-    loss_sum: torch.Tensor  # [K] sum over batches of step losses
+    # Losses are weighted by the positions they average over, so a step's figures are the same
+    # however its batch is split between ranks, and an evaluation's are a mean over all positions.
+    loss_sum: torch.Tensor  # [K] sum over batches of step loss x positions averaged
+    positions: torch.Tensor  # [K] positions averaged
     correct: torch.Tensor  # [K]
     kept: torch.Tensor  # [K]
-    batches: int = 0
 
     @classmethod
     def zeros(cls, k: int) -> StepCounts:
         zeros = torch.zeros(k, dtype=torch.int64)
-        return cls(torch.zeros(k, dtype=torch.float64), zeros, zeros.clone())
+        return cls(torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64), zeros, zeros.clone())
 
     def add(self, out: TTTOutput) -> None:
-        self.loss_sum += out.step_losses.detach().double().cpu()
+        n = out.averaged_over.double().cpu()
+        self.loss_sum += out.step_losses.detach().double().cpu() * n
+        self.positions += n
         self.correct += out.correct.cpu()
         self.kept += out.kept.cpu()
-        self.batches += 1
 
     def all_reduce(self) -> StepCounts:
-        k = len(self.kept)
-        packed = torch.cat([self.loss_sum, self.correct.double(), self.kept.double(), torch.tensor([float(self.batches)])])
-        packed = all_reduce_sum(packed)
-        return StepCounts(packed[:k], packed[k : 2 * k].long(), packed[2 * k : 3 * k].long(), int(packed[-1]))
+        packed = all_reduce_sum(torch.stack([self.loss_sum, self.positions, self.correct.double(), self.kept.double()]))
+        return StepCounts(packed[0], packed[1], packed[2].long(), packed[3].long())
 
     def metrics(self, step_weight: float, prefix: str = "") -> dict[str, float]:
-        losses = self.loss_sum / max(self.batches, 1)
+        losses = self.loss_sum / self.positions.clamp(min=1)
         m = {f"{prefix}loss": float(sum(step_weight**k * losses[k] for k in range(len(losses))))}
         for k in range(len(losses)):
             m[f"{prefix}loss_{k}"] = float(losses[k])

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.export import export_drafter
-from eagle3_assets.drafter.train import LogFn, MetricsCallback, ShardEventCallback, TrainResult, train_drafter
+from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
+from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -36,7 +37,6 @@ def train_and_export(
     shard_keys: Sequence[str],
     *,
     on_metrics: MetricsCallback | None = None,
-    on_shard: ShardEventCallback | None = None,
     log: LogFn = print,
     max_steps: int | None = None,
 ) -> DrafterRun:
@@ -44,7 +44,7 @@ def train_and_export(
     passes its check), then export once finished."""
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
-        on_metrics=on_metrics, on_shard=on_shard, log=log, max_steps=max_steps,
+        on_metrics=on_metrics, log=log, max_steps=max_steps,
     )  # fmt: skip
     summary = {
         "step": result.step,
@@ -58,6 +58,19 @@ def train_and_export(
         url = export_drafter(store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids)
         store.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
+
+
+def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
+    """What the `drafter` asset's materialization shows: the summary, the export and where to look.
+
+    The same on every rank (the metrics are summed over ranks; rank 0 writes the export)."""
+    return {
+        **run.summary,
+        "aux_layer_ids": run.result.aux_layer_ids,
+        "export": store.url_of(EXPORT_DIR) if run.result.finished else "",
+        "checkpoint": store.url_of(run.result.checkpoint),
+        "tensorboard": store.url_of(TENSORBOARD_DIR),
+    }
 
 
 def heldout_metrics(store: ArtifactStore) -> dict[str, float]:

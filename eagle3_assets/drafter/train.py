@@ -175,7 +175,7 @@ def run_fingerprint(
 ) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed: the data plan and the schedule."""
     s = settings.model_dump()
-    for volatile in ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s"):
+    for volatile in ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch"):
         s.pop(volatile)
     return {
         "settings": s,
@@ -266,10 +266,13 @@ class _Run:
                 positions=b.positions, segments=b.segments,
             )  # fmt: skip
         # Every rank stops together: one rank's NaN would reach all of them through the gradient all-reduce.
-        if int(all_reduce_sum(torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0]))[0]):
+        non_finite, tokens = all_reduce_sum(
+            torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0, float(batch.num_tokens)], dtype=torch.float64)
+        ).tolist()
+        if non_finite:
             self._stop_non_finite(step, batch, f"the loss is {float(out.loss.detach())}")
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        self.rank_loss(out).backward()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)  # all-reduced already: equal on every rank
         if not torch.isfinite(grad_norm):
@@ -280,8 +283,19 @@ class _Run:
         counts = StepCounts.zeros(s.ttt_steps)
         counts.add(out)
         metrics = counts.all_reduce().metrics(s.step_weight)
-        metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=float(batch.num_tokens * self.env.world_size))
+        metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=tokens)
         return metrics
+
+    def rank_loss(self, out: TTTOutput) -> torch.Tensor:
+        """The loss this rank backpropagates. DistributedDataParallel averages the ranks' gradients, and each
+        rank's step losses are means over its own positions: weighted by the rank's share of the step's
+        positions, the average is the gradient of the global batch's loss, as one process computes it."""
+        if self.env.world_size == 1:
+            return out.loss
+        n = out.averaged_over.double().cpu()
+        share = n * self.env.world_size / all_reduce_sum(n).clamp(min=1)
+        w = torch.tensor([self.settings.step_weight**k for k in range(len(n))], dtype=torch.float64)
+        return (out.step_terms * (share * w).to(out.step_terms)).sum()
 
     def _stop_non_finite(self, step: int, batch: Batch, what: str) -> None:
         files = ", ".join(self.store.url_of(ref.rel) for ref in batch.samples)
@@ -514,7 +528,7 @@ def train_drafter(
     """
     env = DistEnv.from_environ()
     device = pick_device(settings.device, env)
-    owns_group = init_distributed(env, device)
+    owns_group = init_distributed(env, device, timeout_s=settings.launch.collective_timeout_s)
     try:
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings,

@@ -45,6 +45,10 @@ class TTTOutput:
     step_losses: torch.Tensor  # [K] detached
     correct: torch.Tensor  # [K] int64: kept predictions whose draft top-1 is the target's
     kept: torch.Tensor  # [K] int64: predictions that count
+    # [K] int64: the positions each step's loss is a mean over (weights to combine batches and ranks)
+    averaged_over: torch.Tensor
+    # [K] differentiable loss_k (`loss` is their weighted sum): data-parallel training reweights them
+    step_terms: torch.Tensor
 
     def metrics(self) -> dict[str, float]:
         m = {"loss": float(self.loss.detach())}
@@ -108,6 +112,11 @@ def predicted_targets(targets: Targets, index: torch.Tensor, step: int) -> Targe
     return Targets(probs, targets.argmax.gather(1, at), targets.in_draft.gather(1, at) & exists)
 
 
+def averaged_positions(trained: torch.Tensor, kept: torch.Tensor, loss: Loss) -> torch.Tensor:
+    """The positions a step's loss averages over: the kept ones for soft_ce, every trained one otherwise."""
+    return kept if loss == "soft_ce" else trained
+
+
 def ttt_step_loss(
     logits: torch.Tensor, predicted: Targets, trained: torch.Tensor, kept: torch.Tensor, d2t: torch.Tensor,
     loss: Loss = "soft_ce",
@@ -121,7 +130,7 @@ def ttt_step_loss(
         per_position = -(p * logq).sum(-1)  # [B, Tk]; KL differs from it by the constant entropy of p
         if loss == "kl":
             per_position = per_position + (p * torch.log(p.clamp(min=1e-30))).sum(-1)
-    counted = kept if loss == "soft_ce" else trained
+    counted = averaged_positions(trained, kept, loss)
     value = (per_position * counted).sum() / counted.sum().clamp(min=1)
     with torch.no_grad():
         draft_top1 = logits.argmax(-1)  # [B, Tk] draft ids
@@ -155,7 +164,7 @@ def ttt_forward(
     trained = torch.stack([trained_positions(loss_mask, lengths, k, loss_positions, segments) for k in range(num_steps)])
     indices = step_indices(needed_indices(trained)) if skip_unscored else None
     every_index = torch.arange(T, device=aux.device).expand(B, T)  # step 0 runs at all of them
-    losses, correct, counted = [], [], []
+    losses, correct, counted, averaged = [], [], [], []
     total = torch.zeros((), device=aux.device)
     for k, logits in enumerate(model(input_ids, aux, num_steps, positions, segments, indices)):
         at: StepIndices | None = indices[k - 1] if indices is not None and k > 0 else None
@@ -164,9 +173,12 @@ def ttt_forward(
         trained_k = trained[k].gather(1, index)  # [B, Tk]
         if at is not None:
             trained_k &= at.valid
-        loss_k, c, n = ttt_step_loss(logits, predicted, trained_k, trained_k & predicted.in_draft, inner.d2t, loss)
+        kept_k = trained_k & predicted.in_draft
+        loss_k, c, n = ttt_step_loss(logits, predicted, trained_k, kept_k, inner.d2t, loss)
         total = total + step_weight**k * loss_k
-        losses.append(loss_k.detach())
+        losses.append(loss_k)
         correct.append(c)
         counted.append(n)
-    return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(counted))
+        averaged.append(averaged_positions(trained_k, kept_k, loss).sum())
+    terms = torch.stack(losses)
+    return TTTOutput(total, terms.detach(), torch.stack(correct), torch.stack(counted), torch.stack(averaged), terms)

@@ -10,7 +10,6 @@ from dagster import (
     DagsterInstance,
     Failure,
     MaterializeResult,
-    MetadataValue,
     ResourceParam,
     asset,
 )
@@ -18,15 +17,14 @@ from dagster import (
 from eagle3_assets.defs.data.assets import target_model, vocab_map
 from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
 from eagle3_assets.defs.failures import failures
-from eagle3_assets.defs.observe import observe, to_metadata
+from eagle3_assets.defs.drafter.launch import train_with_torchrun
+from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.ops.runs import GPU_POOL, TRAINER_POOL
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.run import train_and_export
-from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.project import Project
 from eagle3_assets.settings import TrainingSettings
@@ -65,7 +63,9 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
     )
     def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
         """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported.
-        Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint has learnt it."""
+        Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint has learnt it.
+
+        Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`)."""
         store = project.store
         keys = registered_shard_keys(context.instance)
         if not keys:
@@ -75,7 +75,7 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
             if (refusal := rolling_refusal(store, keys)) is not None:
                 raise refusal
             reporter = WindowReporter(context, store, keys, training.window_shards)
-            reporter.poll()
+            reporter.poll(force=True)
         elif bad := unusable_shards(context.instance, project, keys):
             listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
             raise Failure(
@@ -83,28 +83,12 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
                 allow_retries=False,
             )
 
-        def on_metrics(step: int, metrics: dict[str, float]) -> None:
-            if step % 10 == 0:
-                observe(context, {"step": step, **metrics})
-
-        try:
-            with failures():
-                run = train_and_export(
-                    store, project.target(), project.settings, keys, on_metrics=on_metrics, log=context.log.info,
-                    on_shard=(lambda _: reporter.poll()) if reporter else None,
-                )  # fmt: skip
-        finally:
-            if reporter is not None:
-                reporter.poll()
-        return MaterializeResult(
-            metadata={
-                **to_metadata(run.summary),
-                "aux_layer_ids": MetadataValue.json(run.result.aux_layer_ids),
-                "export": run.export_url or "",
-                "checkpoint": store.url_of(run.result.checkpoint),
-                "tensorboard": store.url_of(TENSORBOARD_DIR),
-            }
-        )
+        with failures():
+            try:
+                return train_with_torchrun(context, project, watch=reporter.poll if reporter else lambda: None)
+            finally:
+                if reporter is not None:
+                    reporter.poll(force=True)
 
     return drafter
 

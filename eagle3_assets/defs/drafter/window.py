@@ -10,6 +10,7 @@ accounts for both extraction and training.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from dagster import AssetExecutionContext, AssetObservation, Failure
@@ -23,11 +24,18 @@ from eagle3_assets.storage import ArtifactStore
 class WindowReporter:
     """Polled while the drafter trains: reports what changed in the window since the last poll."""
 
-    def __init__(self, context: AssetExecutionContext, store: ArtifactStore, keys: Sequence[str], size: int):
-        self.context, self.store, self.keys, self.size = context, store, list(keys), size
+    def __init__(
+        self, context: AssetExecutionContext, store: ArtifactStore, keys: Sequence[str], size: int, every_s: float = 10.0
+    ):
+        self.context, self.store, self.keys, self.size, self.every_s = context, store, list(keys), size, every_s
         self.reported: dict[str, str] = {}
+        self.last = -every_s
 
-    def poll(self) -> None:
+    def poll(self, force: bool = False) -> None:
+        # Each look reads every shard's manifest and records: on object storage that is one request each.
+        if not force and time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
         status = window_status(self.store, self.keys, self.size)
         # The first shard neither consumed nor released is the one the trainer is on once it has passed its check.
         current = next((k for k, s in status.states.items() if s not in ("consumed", "released")), None)

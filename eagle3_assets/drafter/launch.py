@@ -1,0 +1,145 @@
+"""The torchrun job that trains the drafter: how many ranks, its command line, and what a failed job says.
+
+The `drafter` asset starts `python -m torch.distributed.run … -m eagle3_assets.drafter` (torchrun
+owns the process group, the rendezvous and the teardown: a rank that dies makes its agent stop
+every other rank). Each rank's output lands in `<log_dir>/…/attempt_0/<local_rank>/`; when the job
+fails, torchrun names the first rank to fail and its exit code, and that rank's log says why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.settings import LaunchSettings
+from eagle3_assets.storage import ArtifactStore
+
+# A rank's exit status when it refused to train (settings, inputs, a checkpoint of another run):
+# the same refusal would meet a retry, so the asset fails without one.
+EXIT_REFUSED = 3
+
+
+class LaunchRefused(TrainingError):
+    """The job cannot start as configured; no rank was started."""
+
+    retryable = False
+
+
+class RankFailed(TrainingError):
+    """A rank of the training job failed (killed, out of memory, an error); the message names it."""
+
+
+class RankRefused(RankFailed):
+    """A rank refused to train (it exited EXIT_REFUSED); a retry would meet the same refusal."""
+
+    retryable = False
+
+
+def ranks_per_node(launch: LaunchSettings, device: str, *, visible_gpus: int | None = None) -> int:
+    """`training.launch.nproc_per_node` resolved on this node; refuses what cannot run here."""
+    gpus = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f"this node shows {gpus} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "")
+    if device == "cuda" and gpus == 0:
+        raise LaunchRefused(f"training.device is 'cuda' but {where}; run on a GPU node or set training.device: cpu")
+    on_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+    if launch.nproc_per_node == "auto":
+        return gpus if on_gpu else 1
+    if on_gpu and launch.nproc_per_node > gpus:
+        raise LaunchRefused(
+            f"training.launch.nproc_per_node: {launch.nproc_per_node} ranks, one per GPU, but {where}; "
+            f"set it to {gpus} or 'auto'"
+        )
+    return launch.nproc_per_node
+
+
+def refuse_another_world_size(store: ArtifactStore, world_size: int) -> None:
+    """Refuse to resume a checkpoint another number of ranks wrote: the data plan skips the batches
+    with fewer samples than ranks, so the step a checkpoint names is another batch on another count."""
+    rel = latest_checkpoint(store)
+    if rel is None:
+        return
+    saved = store.read_json(f"{rel}/state.json")["run"].get("world_size", 1)
+    if saved != world_size:
+        raise LaunchRefused(
+            f"{store.url_of(rel)} was written by {saved} rank(s) and this job would run {world_size}: resume it on "
+            f"{saved} (training.launch.nnodes x nproc_per_node = {saved}), or remove "
+            f"{store.url_of(CHECKPOINTS_DIR)} to start over on {world_size}"
+        )
+
+
+def torchrun_command(launch: LaunchSettings, nproc: int, log_dir: Path, args: Sequence[str] = ()) -> list[str]:
+    """The command every node runs; on one node torchrun meets itself (`--standalone`)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
+        f"--log-dir={log_dir}", "--tee=3",
+    ]  # fmt: skip
+    if launch.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={launch.nnodes}", f"--rdzv-backend={launch.rdzv_backend}",
+            f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-id={launch.rdzv_id}",
+        ]  # fmt: skip
+    return [*cmd, "-m", "eagle3_assets.drafter", *args]
+
+
+@dataclass(frozen=True)
+class FailedRank:
+    rank: int
+    local_rank: int
+    host: str
+    exitcode: int
+
+
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?host\s*:\s*(?P<host>\S+)\s*"
+    r"rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)\s*exitcode\s*:\s*(?P<code>-?\d+)",
+    re.S,
+)
+
+
+def failed_rank(torchrun_output: str) -> FailedRank | None:
+    """The first rank to fail, from torchrun's closing report (None when it printed none)."""
+    m = _ROOT_CAUSE.search(torchrun_output)
+    if m is None:
+        return None
+    return FailedRank(int(m["rank"]), int(m["local"]), m["host"], int(m["code"]))
+
+
+def last_log_line(log_dir: Path, local_rank: int) -> str:
+    """The last line a local rank wrote (its error, when it raised one), from torchrun's per-rank logs."""
+    lines: list[tuple[float, bool, str]] = []
+    for name in ("stderr.log", "stdout.log"):
+        for path in log_dir.glob(f"*/attempt_*/{local_rank}/{name}"):
+            text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+            if text:  # the newer file's last line; on a tie stderr's, where an error goes
+                lines.append((path.stat().st_mtime, name == "stderr.log", text[-1].strip()))
+    return max(lines)[2] if lines else "(it wrote nothing)"
+
+
+def describe_failure(torchrun_output: str, returncode: int, log_dir: Path) -> RankFailed:
+    """The error a failed job ends with: which rank, how it ended, and its last log line."""
+    rank = failed_rank(torchrun_output)
+    if rank is None:
+        tail = [ln for ln in torchrun_output.splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return RankFailed(f"the training job (torchrun) exited {returncode}: {tail[0]}")
+    if rank.exitcode < 0:
+        how = f"was killed by {signal.Signals(-rank.exitcode).name}"
+    else:
+        how = f"exited {rank.exitcode}"
+    line = last_log_line(log_dir, rank.local_rank)
+    kind = RankRefused if rank.exitcode == EXIT_REFUSED else RankFailed
+    return kind(
+        f"training rank {rank.rank} (local rank {rank.local_rank} on {rank.host}) {how}; its last log line: {line}. "
+        f"Every rank's log: {log_dir}"
+    )

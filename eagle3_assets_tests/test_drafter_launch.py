@@ -1,0 +1,135 @@
+"""The training job's launch: `training.launch` settings, the ranks a node runs, torchrun's command
+line, and what a failed job says (a real torchrun job whose rank 1 is SIGKILLed)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from eagle3_assets.drafter.launch import (
+    LaunchRefused,
+    RankFailed,
+    RankRefused,
+    describe_failure,
+    ranks_per_node,
+    torchrun_command,
+)
+from eagle3_assets.processes import process_alive
+from eagle3_assets.settings import LaunchSettings, SettingsError, parse_settings
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ({"nnodes": 2}, "training.launch: Value error, nnodes: 2 nodes must meet somewhere: set "
+         "training.launch.rdzv_endpoint to host:port of a node every node reaches (on Kubernetes, the rendezvous Service)"),
+        ({"nproc_per_node": 0}, "training.launch.nproc_per_node: Value error, 0: give 'auto' (one rank per visible GPU) "
+         "or a whole number of ranks, 1 or more"),
+        ({"nproc_per_node": "all"}, "training.launch.nproc_per_node: Value error, 'all': give 'auto'"),
+        ({"nnodes": 2, "rdzv_endpoint": "node0"}, "training.launch.rdzv_endpoint: Value error, 'node0' is not host:port, "
+         "e.g. 'eagle3-drafter-0.eagle3-drafter-pods:29400'"),
+        ({"collective_timeout_s": 0}, "training.launch.collective_timeout_s: Input should be greater than 0"),
+    ],
+)  # fmt: skip
+def test_launch_settings_that_cannot_work_are_refused_naming_the_field(launch, message):
+    with pytest.raises(SettingsError) as e:
+        parse_settings({"training": {"launch": launch}})
+    assert message in str(e.value)
+
+
+def test_ranks_per_node_follow_the_visible_gpus_and_refuse_what_the_node_lacks():
+    auto, two = LaunchSettings(), LaunchSettings(nproc_per_node=2)
+    assert ranks_per_node(auto, "auto", visible_gpus=0) == 1
+    assert ranks_per_node(auto, "auto", visible_gpus=8) == 8
+    assert ranks_per_node(auto, "cpu", visible_gpus=8) == 1
+    assert ranks_per_node(two, "cpu", visible_gpus=0) == 2  # gloo ranks on the CPU
+    with pytest.raises(LaunchRefused, match=r"training.device is 'cuda' but this node shows 0 GPU\(s\)"):
+        ranks_per_node(auto, "cuda", visible_gpus=0)
+    with pytest.raises(LaunchRefused) as e:
+        ranks_per_node(LaunchSettings(nproc_per_node=8), "cuda", visible_gpus=4)
+    assert "training.launch.nproc_per_node: 8 ranks, one per GPU, but this node shows 4 GPU(s)" in str(e.value)
+    assert str(e.value).endswith("set it to 4 or 'auto'")
+    assert not e.value.retryable
+
+
+def test_the_torchrun_command_of_one_node_and_of_several(tmp_path):
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
+            f"--log-dir={tmp_path}", "--tee=3"]  # fmt: skip
+    assert torchrun_command(LaunchSettings(), 2, tmp_path) == [*head, "--standalone", "-m", "eagle3_assets.drafter"]
+    several = LaunchSettings(nnodes=3, rdzv_endpoint="node0:29400", rdzv_id="run-7")
+    assert torchrun_command(several, 2, tmp_path, ["--max-steps", "5"]) == [
+        *head, "--nnodes=3", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=run-7",
+        "-m", "eagle3_assets.drafter", "--max-steps", "5",
+    ]  # fmt: skip
+
+
+KILLED_RANK = textwrap.dedent(
+    """
+    import os, signal, sys, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} joined", flush=True)
+    if rank == 1:
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("error: a refusal", file=sys.stderr, flush=True)
+        sys.exit(3)
+    dist.barrier()  # rank 0 waits here for a rank that is gone: torchrun must stop it
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["kill", "refuse"])
+def test_a_failed_rank_is_named_with_how_it_ended_and_its_last_log_line(tmp_path, how):
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_RANK)
+    cmd = torchrun_command(LaunchSettings(nproc_per_node=2), 2, tmp_path / "logs")
+    cmd = [*cmd[: cmd.index("-m", 3)], str(script), how]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    error = describe_failure(proc.stdout + proc.stderr, proc.returncode, tmp_path / "logs")
+    if how == "kill":
+        assert type(error) is RankFailed and error.retryable
+        assert str(error).startswith("training rank 1 (local rank 1 on ")
+        assert ") was killed by SIGKILL; its last log line: rank 1 joined. Every rank's log: " in str(error)
+    else:
+        assert type(error) is RankRefused and not error.retryable
+        assert ") exited 3; its last log line: error: a refusal. Every rank's log: " in str(error)
+    # rank 0, left in a collective, was stopped by torchrun rather than waiting
+    assert "rank      : 0 (local_rank: 0)" in proc.stderr or "NO_OTHER_FAILURES" in proc.stderr
+
+
+def test_a_job_that_failed_without_torchrun_s_report_is_described_by_its_last_line(tmp_path):
+    error = describe_failure("starting\nrendezvous timed out\n", 1, tmp_path)
+    assert str(error) == "the training job (torchrun) exited 1: rendezvous timed out"
+
+
+ORPHAN = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from eagle3_assets.processes import terminate_with_parent
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=terminate_with_parent)
+    print(job.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_job_does_not_outlive_the_process_that_started_it():
+    """The asset's process SIGKILLed (an OOM kill, a lost pod): its training job is stopped, not orphaned."""
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    job = int(parent.stdout.readline())
+    assert process_alive(job)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):  # the kernel signals the job as the parent exits; give the scheduler time
+        if not process_alive(job):
+            break
+        time.sleep(0.1)
+    assert not process_alive(job)
