@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import yaml
 
 from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions
 from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
@@ -43,7 +47,9 @@ from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.processes import terminate_with_parent
 from eagle3_assets.project import Project
+from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
 from eagle3_assets.shard_window import Window
 
 if TYPE_CHECKING:
@@ -212,23 +218,22 @@ class GraphStart:
         return not todo or self.launch(todo)
 
     def _run_rolling(self, after: list[AssetKey], redo: set[AssetKey]) -> bool:
-        """Rolling mode: `drafter` trains in a thread of its own while this one extracts each shard the window
+        """Rolling mode: `drafter` trains in a process of its own while this one extracts each shard the window
         admits (README, "Training past the disk"); then `drafter_eval`."""
         todo = self._todo(after, redo)
         if DRAFTER not in todo:
             return not todo or self.launch(todo)
         training = self.project.settings.training
-        outcome: dict[str, bool] = {}
-        trainer = threading.Thread(target=lambda: outcome.update(ok=self.launch([DRAFTER])), name="drafter")
         attempts: Counter[str] = Counter()
-        with self.engine("extract"):
-            trainer.start()
-            while trainer.is_alive():
+        with self.engine("extract"), tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp:
+            started = time.monotonic()
+            trainer = self._launch_process(DRAFTER, Path(tmp))
+            while trainer.poll() is None:
                 window = Window.read(self.project.store, registered_shard_keys(self.instance), training.window_shards)
                 states = self.shard_states()
                 todo_shards = [k for k in window.admitted() if states[k] != "done" and attempts[k] < SHARD_ATTEMPTS]
                 if not todo_shards:
-                    trainer.join(timeout=ROLLING_POLL_S)
+                    time.sleep(ROLLING_POLL_S)
                     continue
                 key = todo_shards[0]
                 attempts[key] += 1
@@ -238,9 +243,24 @@ class GraphStart:
                         f"{training.shard_wait_s:g}s. Repair it from another shell (`python -m eagle3_assets.start "
                         f"--shard {key}`), or stop this command: running it again resumes"
                     )
-        if not outcome.get("ok"):
-            return False
-        return len(after) == 1 or self.launch(after[1:])
+        ok = trainer.returncode == 0
+        self.log(f"drafter: {'ok' if ok else 'FAILED'} in {time.monotonic() - started:.1f}s")
+        return ok and (len(after) == 1 or self.launch(after[1:]))
+
+    def _launch_process(self, key: AssetKey, tmp: Path) -> subprocess.Popen:
+        """`key` materialized by `dagster asset materialize` in a process of its own, into this instance. Not a
+        thread: two runs executing in one process at once can deadlock Dagster's compute-log capture. The
+        process gets SIGTERM if this one dies, so a killed command leaves no trainer beside the next one's."""
+        config = tmp / "settings.yaml"
+        config.write_text(yaml.safe_dump(self.project.settings.model_dump(mode="json")))
+        env = {
+            **os.environ, CONFIG_ENV: str(config), ROOT_ENV: self.project.store.url,
+            "DAGSTER_HOME": self.instance.root_directory,
+        }  # fmt: skip
+        cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
+               "--select", key.to_user_string()]  # fmt: skip
+        self.log(f"{key.to_user_string()}: starting, in its own process")
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent)
 
     def run_shards(self, keys: Sequence[str]) -> bool:
         require_shard_keys(self.instance, list(keys))
