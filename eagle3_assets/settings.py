@@ -27,7 +27,8 @@ class SettingsError(Refusal, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # `.inf` and `.nan` are valid YAML floats: a bound like `ge=0` lets `.inf` through.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GenerationSettings(_Section):
@@ -319,7 +320,7 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         return demo_settings()
     try:
         with fsspec.open(path, "r", encoding="utf-8-sig") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f)
     except FileNotFoundError:
         raise SettingsError(f"{CONFIG_ENV}={path}: file not found") from None
     except IsADirectoryError:
@@ -328,10 +329,22 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         raise SettingsError(f"{CONFIG_ENV}={path}: cannot be read: {e}") from None
     except yaml.YAMLError as e:
         raise SettingsError(f"{CONFIG_ENV}={path}: not valid YAML: {e}") from None
+    if not data:
+        # Parsed, an empty file would be the demo's target with a production config's defaults,
+        # refused later for settings the user never wrote.
+        raise SettingsError(
+            f"{CONFIG_ENV}={path}: the file holds no settings; name at least target_model and prompts, "
+            f"or unset {CONFIG_ENV} for the demo"
+        )
     if not isinstance(data, dict):
         raise SettingsError(f"{CONFIG_ENV}={path}: expected a mapping of settings, got {type(data).__name__}")
     settings = parse_settings(data, source=path)
-    if settings.target_model and "://" not in settings.target_model and Path(settings.target_model).is_dir():
+    local_target = settings.target_model and "://" not in settings.target_model and Path(settings.target_model)
+    if local_target and local_target.is_file():
+        raise SettingsError(
+            f"invalid settings in {path}: target_model: {settings.target_model} is a file; name the model's directory"
+        )
+    if local_target and local_target.is_dir():
         # A local target is checked now, so a wrong layer id fails the code location, not a shard hours later.
         from eagle3_assets.target import TargetModel, TargetModelError
 

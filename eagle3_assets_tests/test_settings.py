@@ -90,3 +90,21 @@ def test_a_config_path_naming_a_directory_or_an_unknown_protocol_is_named(tmp_pa
 def test_a_byte_order_mark_before_the_settings_is_not_part_of_them(tmp_path: Path):
     (tmp_path / "eagle3.yaml").write_bytes("\ufeffshard_size: 7\n".encode())
     assert load_settings({"EAGLE3_CONFIG": str(tmp_path / "eagle3.yaml")}).shard_size == 7
+
+
+def test_non_finite_numbers_are_refused_naming_the_field(tmp_path: Path):
+    text = "generation:\n  temperature: .inf\ntraining:\n  epochs: .nan\nextraction:\n  disk_margin: .inf\n"
+    with pytest.raises(SettingsError) as e:
+        load_settings(write_config(tmp_path, text))
+    msg = str(e.value)
+    for field in ("generation.temperature", "training.epochs", "extraction.disk_margin"):
+        assert f"{field}: Input should be a finite number" in msg
+
+
+def test_an_empty_settings_file_and_a_target_model_that_is_a_file_are_named(tmp_path: Path):
+    with pytest.raises(SettingsError, match=r"eagle3.yaml: the file holds no settings; name at least target_model"):
+        load_settings(write_config(tmp_path, "# nothing yet\n"))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(SettingsError, match=r"target_model: .*model.safetensors is a file; name the model's directory"):
+        load_settings(write_config(tmp_path, f"target_model: {weights}\n"))

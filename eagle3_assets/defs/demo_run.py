@@ -12,6 +12,7 @@ import sys
 import time
 
 from dagster import AssetKey, DagsterInstance, Definitions
+from dagster._core.utils import make_new_run_id
 
 from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import registered_shard_keys
@@ -27,13 +28,15 @@ def run_selection(
     job = defs.resolve_implicit_global_asset_job_def()
     label = ",".join(k.to_user_string() for k in keys) + (f"[{partition_key}]" if partition_key else "")
     started = time.monotonic()
+    run_id = make_new_run_id()
     # execute_in_process does not use the job's executor: the run names its process itself,
     # so a later sweep (`make demo` again, the daemon) can fail it if this process is killed.
     result = job.execute_in_process(
         instance=instance,
         asset_selection=keys,
         partition_key=partition_key,
-        tags={DEMO_TAG: "demo", **process_tags()},
+        run_id=run_id,
+        tags={DEMO_TAG: "demo", **process_tags(run_id)},
         raise_on_error=False,
     )
     status = "ok" if result.success else "FAILED"

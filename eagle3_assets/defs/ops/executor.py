@@ -12,7 +12,9 @@ pool slot, whether the run came from the CLI, the UI or the daemon. It
    shard at once), and sets the limit to the number of vLLM extraction servers when
    several are configured;
 4. names the runs holding the pool when its slots are all taken, so a blocked step
-   says whom it waits for.
+   says whom it waits for;
+5. tags a run stopped by Ctrl-C or SIGTERM `dagster/max_retries: 0`: a person (or the
+   cluster) stopped it on purpose, and the instance's `run_retries` must not start it again.
 `execute_in_process` (tests, `make demo`) does not use the job's executor: `make demo`
 sweeps itself.
 """
@@ -22,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from dagster import DagsterEvent, ExecutorDefinition, Failure
+from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.events import EngineEventData
 from dagster._core.executor.base import Executor
+from dagster._core.storage.tags import MAX_RETRIES_TAG
 
 from eagle3_assets.defs.ops.runs import GPU_POOL, pool_holders, pool_limit, record_run_process, sweep_dead_runs
 from eagle3_assets.settings import Settings
@@ -50,7 +54,12 @@ class RunStartSweep(Executor):
         gpu_steps = [s.key for s in execution_plan.get_all_steps_in_topo_order() if s.pool == GPU_POOL]
         if gpu_steps:
             yield from self._check_gpu_pool(plan_context, instance, gpu_steps)
-        yield from self.inner.execute(plan_context, execution_plan)
+        try:
+            yield from self.inner.execute(plan_context, execution_plan)
+        except (KeyboardInterrupt, DagsterExecutionInterruptedError):
+            # Tagged before Dagster writes the run's failure, which is when `run_retries` decides.
+            instance.add_run_tags(plan_context.run_id, {MAX_RETRIES_TAG: "0"})
+            raise
 
     def _check_gpu_pool(self, plan_context, instance, gpu_steps: list[str]) -> Iterator[DagsterEvent]:  # noqa: ANN001
         servers = self.settings.vllm.server_urls
