@@ -27,16 +27,29 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
+def wait_for_the_gpu_slot(proc: subprocess.Popen, instance) -> None:
+    deadline = time.monotonic() + 300
+    while not instance.event_log_storage.get_concurrency_info("gpu").claimed_slots:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+
+
 def test_a_killed_cli_shard_run_does_not_wedge_the_gpu_pool(tmp_path, tiny_target_dir):
+    """And the instance's `run_retries` relaunches the killed run (a crash), not the Ctrl-C'd one."""
     op = Operator(tmp_path, tiny_target_dir)
     op.data_assets()
+    stopped = op.materialize("hidden_states", "rows_0-20")
+    with op.instance() as instance:
+        wait_for_the_gpu_slot(stopped, instance)
+        os.killpg(stopped.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
+        finish(stopped)
+        (interrupted,) = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == "rows_0-20"]
+        assert interrupted.status == DagsterRunStatus.FAILURE
+        assert (interrupted.tags["dagster/max_retries"], interrupted.tags["dagster/will_retry"]) == ("0", "false")
     first = op.materialize("hidden_states", "rows_0-20")
     with op.instance() as instance:
-        deadline = time.monotonic() + 300
         # Killed (-9, its whole process group: an OOM kill, a node reboot) while it holds the pool's slot.
-        while not instance.event_log_storage.get_concurrency_info("gpu").claimed_slots:
-            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
-            time.sleep(0.05)
+        wait_for_the_gpu_slot(first, instance)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
         (dead,) = [r for r in instance.get_runs() if r.status == DagsterRunStatus.STARTED]
@@ -49,6 +62,7 @@ def test_a_killed_cli_shard_run_does_not_wedge_the_gpu_pool(tmp_path, tiny_targe
     with op.instance() as instance:
         failed = instance.get_run_by_id(dead.run_id)
         assert failed.status == DagsterRunStatus.FAILURE and failed.tags["eagle3/stall"] == "process_gone"
+        assert failed.tags["dagster/will_retry"] == "true"  # a crash: the daemon would relaunch it
         (rerun,) = [r for r in instance.get_runs() if r.status == DagsterRunStatus.SUCCESS and r.run_id != dead.run_id
                     and r.tags.get("dagster/partition") == "rows_0-20"]  # fmt: skip
         said = [e.dagster_event.message for e in instance.all_logs(rerun.run_id) if e.dagster_event]
@@ -79,6 +93,7 @@ def test_a_refused_shard_is_not_retried_and_no_model_loads_first(tmp_path, tiny_
         (run,) = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == "rows_0-20"]
         retries = [e for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"]
     assert retries == []  # RetryPolicy(max_retries=2) does not apply to a refusal
+    assert run.tags["dagster/will_retry"] == "false"  # nor the instance's run_retries
 
 
 def test_gpu_runs_are_refused_without_the_pool_limit(tmp_path, tiny_target_dir):
