@@ -806,3 +806,12 @@ def test_read_only_store_is_refused_and_nothing_written_is_lost(extractor: HFExt
 def test_shard_past_the_tokenized_set_is_refused(extractor: HFExtractor):
     with pytest.raises(ShardExtractionError, match=r"^shard rows_10-20 ends past the tokenized set of 12 rows$"):
         extract_shard(memory_store(), make_tokenized(LENGTHS), Shard(10, 20), extractor, settings(), model_name="m")
+
+
+def test_a_stale_shard_key_is_a_refusal_that_says_to_re_tokenize():
+    from eagle3_assets.errors import Refusal
+    from eagle3_assets.hidden_states.integrity import StaleShardKeyError
+
+    with pytest.raises(StaleShardKeyError, match=r"shard rows_0-400 ends past the tokenized set of 3 rows: .* re-materialize tokenized") as e:
+        check(memory_store(), make_tokenized([5, 6, 7]), Shard.parse("rows_0-400"))
+    assert isinstance(e.value, Refusal)

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
-from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import Settings
@@ -35,10 +35,6 @@ from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_
 
 EVAL_REPORT_FILE = "drafter_eval/report.json"
 SPECULATIVE_TOKENS = (3, 7)
-
-
-class EvaluationError(Eagle3Error, RuntimeError):
-    """The drafter cannot be evaluated; the message names the missing input."""
 
 
 @dataclass

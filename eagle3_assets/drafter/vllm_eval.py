@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_assets.drafter.errors import EvaluationError
+
 _SPEC_PREFIX = "vllm:spec_decode_"
 
 
@@ -76,7 +78,7 @@ def zero_fc_copy(export_dir: str | Path, out_dir: str | Path) -> Path:
     shutil.copy(export_dir / "config.json", out_dir / "config.json")
     tensors = load_file(str(export_dir / "model.safetensors"))
     if "fc.weight" not in tensors:
-        raise ValueError(f"{export_dir}/model.safetensors has no fc.weight to zero")
+        raise EvaluationError(f"{export_dir}/model.safetensors has no fc.weight to zero: not an EAGLE-3 export")
     tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -198,7 +200,10 @@ def generate_runs_in_subprocess(
         )
         if proc.returncode != 0 or not result.exists():
             tail = (proc.stdout + proc.stderr)[-4000:]
-            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{tail}")
+            raise EvaluationError(
+                f"drafter_eval: vLLM generation of {len(runs)} run(s) over {len(token_prompts)} prompts failed "
+                f"(exit {proc.returncode}; target {target_dir}); its output ends:\n{tail}"
+            )
         return [GenerationResult.from_json(r) for r in json.loads(result.read_text())]
 
 

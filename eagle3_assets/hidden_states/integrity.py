@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from eagle3_assets.errors import Refusal
 from eagle3_assets.hidden_states.sample_file import (
     CHECK_RECORD_NAME,
     MANIFEST_NAME,
@@ -25,6 +26,10 @@ from eagle3_assets.hidden_states.sample_file import (
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore, StoreError
 from eagle3_assets.tokenized import TokenizedSet
+
+
+class StaleShardKeyError(Refusal, ValueError):
+    """A registered shard key that the current tokenized set does not cover."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,11 @@ def check_shard(
     `model` / `last_hidden_state_norm` None: any value is accepted (the norm must still be a known one).
     """
     if shard.end > tokenized.num_rows:
-        raise ValueError(f"shard {shard.key} ends past the tokenized set of {tokenized.num_rows} rows")
+        raise StaleShardKeyError(
+            f"shard {shard.key} ends past the tokenized set of {tokenized.num_rows} rows: its key was registered for "
+            "an earlier tokenized set (another shard_size or prompt set); re-materialize tokenized, which registers "
+            "the current keys, and run the shards it lists"
+        )
     spec = SampleSpec(
         hidden_size=hidden_size,
         aux_layer_ids=tuple(aux_layer_ids),
