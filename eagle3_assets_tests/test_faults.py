@@ -108,3 +108,31 @@ def test_gpu_runs_are_refused_without_the_pool_limit(tmp_path, tiny_target_dir):
         "extract one shard at once: copy the repo's dagster.yaml into $DAGSTER_HOME"
     ) in out
     assert not op.project.store.exists("hidden_states/rows_0-20")
+
+
+def test_a_read_only_store_refuses_responses_before_the_model_loads(small_tmpfs):
+    """The target named here does not exist: had `responses` loaded it before writing, the error would name it."""
+    from dagster import AssetKey, DagsterEventType
+    from dagster._core.test_utils import instance_for_test
+
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.project import Project
+    from eagle3_assets.prompts import PROMPTS_FILE, Prompt, dump_prompts
+    from eagle3_assets.storage import ArtifactStore
+
+    from .conftest import tiny_settings
+
+    store = ArtifactStore(small_tmpfs / "store")
+    store.write_text(PROMPTS_FILE, dump_prompts([Prompt("a", [{"role": "user", "content": "hi"}], {})]))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    project = Project(tiny_settings(target_model=str(small_tmpfs / "no-model")), store)
+    job = build_definitions(project).resolve_implicit_global_asset_job_def()
+    with instance_for_test() as instance:
+        result = job.execute_in_process(instance=instance, asset_selection=[AssetKey("responses")], raise_on_error=False)
+        events = [e.dagster_event.event_type for e in instance.all_logs(result.run_id) if e.dagster_event]
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    message = failure.step_failure_data.error.message
+    assert f"cannot create directory file://{small_tmpfs}/store/responses/parts: [Errno 30] Read-only" in message
+    assert "Read-only file system" in message and "no-model" not in message
+    assert DagsterEventType.STEP_UP_FOR_RETRY not in events

@@ -25,7 +25,7 @@ from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, dump_prompts, parse_prompts
 from eagle3_assets.reasoning import detect_format
-from eagle3_assets.responses import RESPONSES_FILE, Renderer, generate_responses, read_responses
+from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
@@ -73,9 +73,9 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
     with failures():
         rows = parse_prompts(text, source)
         eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
-    nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
-    if eval_rows:
-        store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
+        nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
+        if eval_rows:
+            store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
     preview = "\n".join(f"- `{p.id}`: {p.messages[-1]['content'][:120]}" for p in rows[:5])
     return MaterializeResult(
         metadata={
@@ -141,6 +141,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
     """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
     store, settings = project.store, project.settings
     with failures():
+        store.check_writable(PARTS_DIR)  # before the model loads: on a large target that takes minutes
         rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
         target = project.target()
         tokenizer = load_tokenizer(target)
