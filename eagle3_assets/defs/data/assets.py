@@ -23,7 +23,7 @@ from eagle3_assets.defs.partitions import sync_shard_partitions
 from eagle3_assets.generation import open_generator
 from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
-from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, dump_prompts, parse_prompts
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, decode_prompts, dump_prompts, parse_prompts
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.shards import plan_shards
@@ -53,11 +53,13 @@ def _demo_prompt_texts(project: Project) -> tuple[str, str]:
 
 def _read_source(path: str, setting: str) -> str:
     try:
-        # utf-8-sig: a byte-order mark at the start (Windows editors write one) is not part of line 1.
-        with fsspec.open(path, "r", encoding="utf-8-sig") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise Failure(f"{setting}: cannot read {path}: {e}") from None
+        with fsspec.open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        # A missing file stays missing; a network error may pass.
+        raise Failure(f"{setting}: cannot read {path}: {e}", allow_retries=not isinstance(e, FileNotFoundError)) from None
+    with failures():
+        return decode_prompts(data, path)
 
 
 @asset(group_name=GROUP, kinds={"jsonl"})
