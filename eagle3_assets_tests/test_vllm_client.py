@@ -286,3 +286,18 @@ def test_the_supervisor_stops_the_server_when_its_starter_dies(tmp_path: Path):
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_cpu_server_that_cannot_reserve_its_kv_cache_names_the_setting():
+    from eagle3_assets.vllm_server.server import memory_hint
+
+    # What the CPU build logs when other processes hold part of the RAM (vLLM 0.x, issue 26).
+    log = (
+        "ValueError: Available memory on node 0 (15.58/23.54 GiB) on startup is less than desired CPU memory "
+        "utilization (0.9, 21.19 GiB)."
+    )
+    assert memory_hint(log) == (
+        ": the CPU build could not reserve its KV cache (by default most of the machine's RAM); "
+        "set vllm.cpu_kv_cache_gib (e.g. 4) to bound it"
+    )
+    assert memory_hint("OSError: model not found") == ""

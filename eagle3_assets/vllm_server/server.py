@@ -200,9 +200,10 @@ class VllmServer:
         while time.monotonic() < deadline:
             rc = self.process.poll()
             if rc is not None:
+                tail = self.log_tail()
                 raise VllmServerError(
                     f"the vLLM server for {self.plan.model if self.plan else '?'} at {self.url} exited with code "
-                    f"{rc} before it was ready; log {self.log_path}, last lines:\n{self.log_tail()}"
+                    f"{rc} before it was ready{memory_hint(tail)}; log {self.log_path}, last lines:\n{tail}"
                 )
             if self.is_healthy(2.0):
                 return
@@ -233,6 +234,16 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def memory_hint(log: str) -> str:
+    """The setting to change when the CPU build could not reserve its KV cache, '' for other failures."""
+    if "CPU memory utilization" not in log and "VLLM_CPU_KVCACHE_SPACE" not in log:
+        return ""
+    return (
+        ": the CPU build could not reserve its KV cache (by default most of the machine's RAM); "
+        "set vllm.cpu_kv_cache_gib (e.g. 4) to bound it"
+    )
 
 
 def cpu_env(vllm: VllmSettings) -> dict[str, str]:
