@@ -17,7 +17,7 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.defs.failures import failures
+from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import sync_shard_partitions
 from eagle3_assets.generation import open_generator
@@ -55,9 +55,10 @@ def _read_source(path: str, setting: str) -> str:
     try:
         with fsspec.open(path, "rb") as f:
             data = f.read()
-    except OSError as e:
-        # A missing file stays missing; a network error may pass.
-        raise Failure(f"{setting}: cannot read {path}: {e}", allow_retries=not isinstance(e, FileNotFoundError)) from None
+    except FileNotFoundError as e:
+        raise refusal(f"{setting}: cannot read {path}: {e}") from None
+    except OSError as e:  # a network error may pass
+        raise Failure(f"{setting}: cannot read {path}: {e}") from None
     with failures():
         return decode_prompts(data, path)
 

@@ -14,7 +14,7 @@ from dagster import (
 )
 
 from eagle3_assets.defs.data.assets import target_model, vocab_map
-from eagle3_assets.defs.failures import failures
+from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
@@ -49,13 +49,11 @@ def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
     store = project.store
     keys = registered_shard_keys(context.instance)
     if not keys:
-        raise Failure("no hidden-state shards are registered: materialize `tokenized` first", allow_retries=False)
+        raise refusal("no hidden-state shards are registered: materialize `tokenized` first")
     bad = unusable_shards(context.instance, project, keys)
     if bad:
         listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
-        raise Failure(
-            f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})", allow_retries=False
-        )
+        raise refusal(f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})")
     with failures():
         run = train_and_export(
             store, project.target(), project.settings, keys,
