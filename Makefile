@@ -28,7 +28,7 @@ ui-deps:
 	bash scripts/install_ui_deps.sh
 
 demo: install
-	$(BIN)/python -m eagle3_assets.defs.demo_run
+	$(BIN)/python -m eagle3_assets.demo_run
 
 # The whole suite, as CI runs it; every failure is reported (no -x), and the slowest
 # tests are listed so a creeping suite shows in the CI log before it hits the budget.

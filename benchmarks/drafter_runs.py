@@ -21,7 +21,7 @@ import torch
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.defs.demo_run import run_graph
+from eagle3_assets.demo_run import run_graph
 from eagle3_assets.drafter.evaluate import load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter

@@ -21,7 +21,7 @@ from dagster import AssetKey
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.defs.demo_run import run_graph
+from eagle3_assets.demo_run import run_graph
 from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
