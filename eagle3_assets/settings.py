@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3_assets.errors import Refusal
+from eagle3_assets.storage_dtypes import StorageDtype
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 ROOT_ENV = "EAGLE3_ROOT"
@@ -54,7 +55,7 @@ class ExtractionSettings(_Section):
 
     backend: Literal["hf", "vllm"] = "hf"
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch (rows sorted by length)")
-    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+    storage_dtype: StorageDtype = Field(
         "bfloat16", description="float8_e4m3fn: half the bytes, one float32 scale per token and tensor"
     )
     progress_interval_s: float = Field(30.0, gt=0, description="seconds between progress observations")

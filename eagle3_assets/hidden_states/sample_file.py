@@ -37,6 +37,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from eagle3_assets.storage_dtypes import STORAGE_DTYPE_NAMES
+
 FORMAT = "eagle3-hidden-states/2"
 READABLE_FORMATS = ("eagle3-hidden-states/1", FORMAT)
 HIDDEN_STATES_DIR = "hidden_states"
@@ -48,12 +50,7 @@ MISSING = "missing"
 NormConvention = Literal["post_norm", "pre_norm"]
 NORM_CONVENTIONS: tuple[str, ...] = ("post_norm", "pre_norm")
 
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 SCALED_DTYPES = ("float8_e4m3fn",)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # How safetensors headers name the dtypes.
