@@ -128,11 +128,6 @@ class SampleSpec:
         """Everything stored per token: the hidden states plus its input id (int32) and loss mask (uint8)."""
         return self.hidden_bytes_per_token + 4 + 1
 
-    @property
-    def minimum_bytes_per_token(self) -> int:
-        """The figure bytes are reported against (docs/DESIGN.md §4): 4 x H x 2, the bf16 hidden states."""
-        return 4 * self.hidden_size * 2
-
     def file_overhead(self, length: int = 1) -> int:
         """Bytes of a `length`-token file beyond its per-token bytes (the safetensors header, whose
         offsets grow a digit now and then with the length), measured on such a file."""
