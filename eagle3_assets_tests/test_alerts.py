@@ -467,23 +467,28 @@ def test_run_failure_sensor_leaves_runs_the_stall_sensor_failed(instance, projec
     assert hook.received == []
 
 
-def test_a_run_failed_from_outside_is_alerted_with_what_killed_it(instance, project, monkeypatch):
-    run = start_shard_run(instance, project, "rows_0-20", time.time() - 30)
-    killed = f"[DagsterApiServer] Run execution process for {run.run_id} was terminated by signal 9 (SIGKILL)."
-    instance.report_engine_event(killed, run)
-    failure = instance.report_run_failed(run)  # what the code server does when its child dies
+def alert_texts(instance: DagsterInstance, project: Project, run_id: str, failure: DagsterEvent, monkeypatch) -> list[str]:
+    """What `run_failure_alert` posts for the run's failure event (no UI link)."""
     context = build_run_status_sensor_context(
         sensor_name="run_failure_alert",
         dagster_event=failure,
         dagster_instance=instance,
-        dagster_run=instance.get_run_by_id(run.run_id),
+        dagster_run=instance.get_run_by_id(run_id),
         resources={"project": project},
     ).for_run_failure()
     with WebhookServer() as hook:
         monkeypatch.setenv(WEBHOOK_ENV, hook.url)
         monkeypatch.delenv("EAGLE3_UI_URL", raising=False)
         run_failure_alert_sensor(context)
-    assert [p["text"] for p in hook.received] == [
+    return [p["text"] for p in hook.received]
+
+
+def test_a_run_failed_from_outside_is_alerted_with_what_killed_it(instance, project, monkeypatch):
+    run = start_shard_run(instance, project, "rows_0-20", time.time() - 30)
+    killed = f"[DagsterApiServer] Run execution process for {run.run_id} was terminated by signal 9 (SIGKILL)."
+    instance.report_engine_event(killed, run)
+    failure = instance.report_run_failed(run)  # what the code server does when its child dies
+    assert alert_texts(instance, project, run.run_id, failure, monkeypatch) == [
         f"[eagle3] run {run.run_id} of __ASSET_JOB [rows_0-20] failed: "
         f"This run has been marked as failed from outside the execution context. {killed}"
     ]
@@ -525,18 +530,9 @@ def test_a_run_the_run_start_sweep_failed_is_alerted_by_run_failure_alert(instan
     instance.handle_new_event(_entry(dead, DagsterEventType.RUN_START, time.time() - 60))
     (line,) = sweep_dead_runs(instance)  # what a starting run's executor does: it sends no alert itself
     failure = instance.all_logs(dead.run_id, of_type=DagsterEventType.RUN_FAILURE)[-1].dagster_event
-    context = build_run_status_sensor_context(
-        sensor_name="run_failure_alert",
-        dagster_event=failure,
-        dagster_instance=instance,
-        dagster_run=instance.get_run_by_id(dead.run_id),
-        resources={"project": project},
-    ).for_run_failure()
-    with WebhookServer() as hook:
-        monkeypatch.setenv(WEBHOOK_ENV, hook.url)
-        monkeypatch.delenv("EAGLE3_UI_URL", raising=False)
-        run_failure_alert_sensor(context)
-    assert [p["text"] for p in hook.received] == [f"[eagle3] run {dead.run_id} of __ASSET_JOB failed: {line}"]
+    assert alert_texts(instance, project, dead.run_id, failure, monkeypatch) == [
+        f"[eagle3] run {dead.run_id} of __ASSET_JOB failed: {line}"
+    ]
 
 
 def test_run_failure_alert_sees_runs_launched_outside_the_code_location(instance, project, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from eagle3_assets.errors import Refusal
 from eagle3_assets.hidden_states.sample_file import (
@@ -199,29 +200,7 @@ def check_shard(
 
 
 def check_shards(
-    store: ArtifactStore,
-    tokenized: TokenizedSet,
-    shards: Sequence[Shard],
-    *,
-    hidden_size: int,
-    aux_layer_ids: Sequence[int],
-    dtype: str,
-    model: str | None = None,
-    last_hidden_state_norm: str | None = None,
-    require_manifest: bool = True,
+    store: ArtifactStore, tokenized: TokenizedSet, shards: Sequence[Shard], **spec: Any
 ) -> list[ShardCheckReport]:
-    """`check_shard` over each shard, in order; nothing is re-extracted."""
-    return [
-        check_shard(
-            store,
-            tokenized,
-            shard,
-            hidden_size=hidden_size,
-            aux_layer_ids=aux_layer_ids,
-            dtype=dtype,
-            model=model,
-            last_hidden_state_norm=last_hidden_state_norm,
-            require_manifest=require_manifest,
-        )
-        for shard in shards
-    ]
+    """`check_shard` over each shard, in order, with the same keyword arguments; nothing is re-extracted."""
+    return [check_shard(store, tokenized, shard, **spec) for shard in shards]
