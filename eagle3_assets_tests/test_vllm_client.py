@@ -37,7 +37,8 @@ from eagle3_assets.vllm_server.client import (
     free_port,
     http_json,
 )
-from eagle3_assets.vllm_server.command import ServerPlan, serve_args
+from eagle3_assets.vllm_server.command import serve_args
+from eagle3_assets.vllm_server.protocol import ServerPlan
 from eagle3_assets.vllm_server.protocol import (
     SampleParams,
     lock_path,

@@ -18,7 +18,6 @@ run must not leave a GPU server behind.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -39,8 +38,8 @@ from eagle3_assets.vllm_server.client import (
     port_in_use,
     served_model,
 )
-from eagle3_assets.vllm_server.command import Role, ServerPlan, serve_args
-from eagle3_assets.vllm_server.protocol import SERVER_INFO_FILE
+from eagle3_assets.vllm_server.command import serve_args
+from eagle3_assets.vllm_server.protocol import Role, ServerPlan
 
 SERVER_LOG_FILE = "server.log"
 STORAGE_SUBDIR = "hidden_states"
@@ -104,7 +103,7 @@ class VllmServer:
         storage = wd / STORAGE_SUBDIR
         storage.mkdir(parents=True, exist_ok=True)
         _remove_request_files(storage)
-        (storage / SERVER_INFO_FILE).write_text(json.dumps(plan.to_json(), indent=1))
+        plan.write(storage)
         args = serve_args(target, vllm, plan, host=host, port=port, storage_dir=storage, write_roots=write_roots)
         cmd = [
             sys.executable, "-m", "eagle3_assets.vllm_server", "--supervise", str(os.getpid()), "--",
