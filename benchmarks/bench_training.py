@@ -31,7 +31,7 @@ from eagle3_assets.drafter.data import BatchLoader, index_samples
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, count_parameters
 from eagle3_assets.drafter.target_head import Targets
 from eagle3_assets.drafter.ttt import ttt_forward
-from eagle3_assets.hidden_states.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
+from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.storage import ArtifactStore
 
 DEMO = DrafterConfig(

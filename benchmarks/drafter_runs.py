@@ -26,8 +26,8 @@ from eagle3_assets.drafter.evaluate import load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
-from eagle3_assets.hidden_states.sample_file import MANIFEST_NAME, shard_dir
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import MANIFEST_NAME, shard_dir
 from eagle3_assets.settings import Settings, TrainingSettings, demo_settings
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore

@@ -32,7 +32,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3_assets.hidden_states import ExtractionRequest, ExtractorConfigError, extract_in_order, open_extractor
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor, plan_batches
 from eagle3_assets.hidden_states.integrity import check_shard, check_shards
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.hidden_states.shard import (
+    ExtractionProgress,
+    InsufficientSpaceError,
+    RowTooLongError,
+    ShardExtractionError,
+    StoreNotWritableError,
+    extract_shard,
+)
+from eagle3_assets.sample_file import (
     FORMAT,
     SampleSpec,
     decode_hidden,
@@ -46,14 +54,6 @@ from eagle3_assets.hidden_states.sample_file import (
     shard_dir,
     tensor_problem,
     written_sample_problem,
-)
-from eagle3_assets.hidden_states.shard import (
-    ExtractionProgress,
-    InsufficientSpaceError,
-    RowTooLongError,
-    ShardExtractionError,
-    StoreNotWritableError,
-    extract_shard,
 )
 from eagle3_assets.target import TargetModel, TargetModelError
 from eagle3_assets.settings import ExtractionSettings, Settings

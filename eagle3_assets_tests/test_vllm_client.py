@@ -28,6 +28,7 @@ from eagle3_assets.generation import open_generator
 from eagle3_assets.hidden_states import open_extractor
 from eagle3_assets.hidden_states.vllm_extractor import VllmExtractionError, split_hidden_states
 from eagle3_assets.processes import group_members
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.settings import ExtractionSettings, GenerationSettings, Settings, VllmSettings
 from eagle3_assets.target import TargetModel
 from eagle3_assets.vllm_server.client import (
@@ -47,7 +48,6 @@ from eagle3_assets.vllm_server.protocol import (
     raw_hidden_states_file,
 )
 from eagle3_assets.vllm_server.server import VllmServer
-from eagle3_assets.hidden_states.sample_file import SampleSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from eagle3_assets.errors import Eagle3Error, Refusal
-from eagle3_assets.hidden_states.sample_file import NormConvention, SampleSpec
+from eagle3_assets.sample_file import NormConvention, SampleSpec
 
 
 class ExtractorError(Eagle3Error, RuntimeError):

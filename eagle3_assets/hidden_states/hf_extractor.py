@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, ExtractorConfigError
-from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.target import TargetModel
 
 

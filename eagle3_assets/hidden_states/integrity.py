@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_assets.errors import Refusal
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.sample_file import (
     CHECK_RECORD_NAME,
     MANIFEST_NAME,
     READABLE_FORMATS,

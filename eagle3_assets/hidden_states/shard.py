@@ -33,7 +33,7 @@ from fractions import Fraction
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.sample_file import (
     FORMAT,
     MISSING,
     SampleSpec,

@@ -30,7 +30,7 @@ from safetensors.torch import load as st_load
 
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, ExtractorConfigError, WrittenSample
-from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.target import TargetModel
 from eagle3_assets.vllm_server.client import (

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from eagle3_assets.hidden_states.sample_file import HIDDEN_NAMES, encode_hidden, sample_buffers, tensor_problem, write_sample_file
+from eagle3_assets.sample_file import HIDDEN_NAMES, encode_hidden, sample_buffers, tensor_problem, write_sample_file
 from eagle3_assets.vllm_server.protocol import (
     SampleParams,
     is_under,

@@ -4,7 +4,7 @@ One `/v1/completions` request per row; the connector (`connector.py`, inside the
 server) writes the row's hidden states to a file and the answer names it in
 `kv_transfer_params.hidden_states_path`. Two kinds of file:
 
-- a sample file, in our format (`hidden_states/sample_file.py`), written straight into
+- a sample file, in our format (`sample_file.py`), written straight into
   the shard directory of a store the server can see, when the request carries
   `kv_transfer_params = sample_params(...)`: one write per sample;
 - otherwise vLLM's raw file in the server's own storage directory (`hidden_states`
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.storage import TMP_MARK
 
 if TYPE_CHECKING:

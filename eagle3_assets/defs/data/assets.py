@@ -21,11 +21,11 @@ from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import sync_shard_partitions
 from eagle3_assets.generation import open_generator
-from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, decode_prompts, dump_prompts, parse_prompts
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses

@@ -23,8 +23,8 @@ from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.run import train_and_export
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
-from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import manifest_path
 
 GROUP = "drafter"
 SHARD_CHECK = AssetCheckKey(HIDDEN_STATES, CHECK_NAME)

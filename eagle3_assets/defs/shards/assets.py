@@ -19,9 +19,9 @@ from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import shard_partitions
 from eagle3_assets.defs.shards.leases import server_lease
 from eagle3_assets.hidden_states import open_extractor
-from eagle3_assets.hidden_states.sample_file import SampleSpec, shard_dir
 from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import SampleSpec, shard_dir
 from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shards import Shard
 from eagle3_assets.tokenized import TokenizedSet
