@@ -556,3 +556,41 @@ def test_run_failure_alert_sees_runs_launched_outside_the_code_location(instance
         tick(first.cursor)
     assert [p["alert"]["run_id"] for p in hook.received] == [result.run_id]
     assert f"{bad}:2 (id b): empty prompt" in hook.received[0]["text"]
+
+
+_RUN_RETRIES_PROJECT: list[Project] = []  # the project `_retries_job` builds from, set by the test
+
+
+def _retries_job():
+    from dagster import Definitions, define_asset_job
+
+    job = define_asset_job("prompts_only", selection="prompts")  # an implicit job cannot be reconstructed
+    return Definitions.merge(build_definitions(_RUN_RETRIES_PROJECT[0]), Definitions(jobs=[job])).resolve_job_def(
+        "prompts_only"
+    )
+
+
+def test_the_instance_does_not_relaunch_a_refusal_but_a_crash(project, tmp_path):
+    """Through the job's own executor (in process), as `dagster asset materialize` runs it: a refused
+    step tags its run `dagster/max_retries: 0`, so `run_retries` leaves it; a run whose process is gone
+    keeps its one relaunch."""
+    from dagster import execute_job, reconstructable
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": ""}\n')
+    _RUN_RETRIES_PROJECT[:] = [Project(project.settings.model_copy(update={"prompts": str(bad)}), project.store)]
+    retries = {"concurrency": {"pools": {"default_limit": 1}}, "run_retries": {"enabled": True, "max_retries": 1}}
+    with instance_for_test(overrides=retries) as instance:
+        with execute_job(
+            reconstructable(_retries_job), instance,
+            run_config={"execution": {"config": {"in_process": {}}}},
+        ) as result:  # fmt: skip
+            assert not result.success
+        refused = instance.get_run_by_id(result.run_id)
+        assert (refused.tags["dagster/max_retries"], refused.tags["dagster/will_retry"]) == ("0", "false")
+
+        crashed = instance.create_run_for_job(_retries_job())
+        instance.add_run_tags(crashed.run_id, process_tags(crashed.run_id, dead_pid()))
+        instance.handle_new_event(_entry(crashed, DagsterEventType.RUN_START, time.time()))
+        assert len(sweep_dead_runs(instance)) == 1
+        assert instance.get_run_by_id(crashed.run_id).tags["dagster/will_retry"] == "true"
