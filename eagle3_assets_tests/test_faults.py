@@ -139,3 +139,15 @@ def test_a_read_only_store_refuses_responses_before_the_model_loads(small_tmpfs)
     assert f"cannot create directory file://{small_tmpfs}/store/responses/parts: [Errno 30] Read-only" in message
     assert "Read-only file system" in message and "no-model" not in message
     assert DagsterEventType.STEP_UP_FOR_RETRY not in events
+
+    source = small_tmpfs.parent / "prompts.jsonl"
+    source.write_text('{"id": "a", "prompt": "hi"}\n')
+    with instance_for_test() as instance:
+        project = Project(tiny_settings(prompts=str(source)), store)
+        prompts = build_definitions(project).resolve_implicit_global_asset_job_def()
+        result = prompts.execute_in_process(instance=instance, asset_selection=[AssetKey("prompts")], raise_on_error=False)
+    (failure,) = result.get_step_failure_events()
+    assert failure.step_failure_data.error.cls_name == "Failure"  # a named refusal, not a raw store error
+    assert f"cannot write file://{small_tmpfs}/store/prompts/prompts.jsonl: [Errno 30] Read-only" in (
+        failure.step_failure_data.error.message
+    )
