@@ -28,7 +28,7 @@ ui-deps:
 	bash scripts/install_ui_deps.sh
 
 demo: install
-	$(BIN)/python -m eagle3_assets.defs.demo_run
+	$(BIN)/python -m eagle3_assets.start
 
 # The whole graph on CONFIG (the demo without it), one run per shard; run it again to resume.
 # `make run ARGS=--list-shards` lists the shard keys and where each stands.

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_training import DEMO, write_demo_shards  # noqa: E402
-from eagle3_assets.hidden_states.sample_file import manifest_path  # noqa: E402
+from eagle3_assets.sample_file import manifest_path  # noqa: E402
 from eagle3_assets.settings import DemoSettings, TrainingSettings  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
 

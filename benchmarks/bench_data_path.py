@@ -38,7 +38,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_assets.hidden_states.sample_file import (  # noqa: E402
+from eagle3_assets.hidden_states.vllm_extractor import split_hidden_states  # noqa: E402
+from eagle3_assets.sample_file import (  # noqa: E402
     SampleSpec,
     encode_hidden,
     encode_sample,
@@ -47,7 +48,6 @@ from eagle3_assets.hidden_states.sample_file import (  # noqa: E402
     tensor_problem,
     written_sample_problem,
 )
-from eagle3_assets.hidden_states.vllm_extractor import split_hidden_states  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
 from eagle3_assets.target import TargetModel  # noqa: E402
 from eagle3_assets.vllm_server.connector import write_atomically  # noqa: E402

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_runs import KS, demo_store, log, serve, shard_keys, train  # noqa: E402
 
 from eagle3_assets.hidden_states import open_extractor  # noqa: E402
-from eagle3_assets.hidden_states.sample_file import SampleSpec, shard_dir  # noqa: E402
 from eagle3_assets.hidden_states.shard import completed_shard, plan_shard, run_shard  # noqa: E402
 from eagle3_assets.project import Project  # noqa: E402
+from eagle3_assets.sample_file import SampleSpec, shard_dir  # noqa: E402
 from eagle3_assets.shards import Shard  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
 from eagle3_assets.tokenized import TokenizedSet  # noqa: E402

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save as st_save
 
 from eagle3_assets.drafter.data import BatchLoader, index_samples
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, count_parameters
 from eagle3_assets.drafter.target_head import Targets
 from eagle3_assets.drafter.ttt import ttt_forward
-from eagle3_assets.hidden_states.sample_file import FORMAT as SAMPLE_FORMAT
+from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.storage import ArtifactStore
 
 DEMO = DrafterConfig(
@@ -44,21 +43,23 @@ DEMO = DrafterConfig(
 def write_demo_shards(store: ArtifactStore, rows: int, shard_size: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
+    spec = SampleSpec(DEMO.hidden_size, (1, 2, 3), "bfloat16", "bench", "post_norm")
     keys = []
     for start in range(0, rows, shard_size):
         key = f"rows_{start}-{min(start + shard_size, rows)}"
         for row in range(start, min(start + shard_size, rows)):
             T = int(rng.integers(120, 300))
-            tensors = {
-                "input_ids": torch.randint(0, DEMO.vocab_size, (T,), generator=g, dtype=torch.int32),
-                "loss_mask": (torch.arange(T) >= T // 4).to(torch.uint8),  # a prompt, then the answer
-                "aux_hidden_states": torch.randn(T, 3 * DEMO.hidden_size, generator=g).bfloat16(),
-                "last_hidden_state": torch.randn(T, DEMO.hidden_size, generator=g).bfloat16(),
-            }
-            meta = {"format": SAMPLE_FORMAT, "aux_layer_ids": "[1, 2, 3]", "last_hidden_state_norm": "post_norm",
-                    "hidden_size": str(DEMO.hidden_size), "model": "bench", "dtype": "bfloat16", "row": str(row)}
-            store.write_bytes(f"hidden_states/{key}/{row}.safetensors", st_save(tensors, metadata=meta))
-        store.write_json(f"hidden_states/{key}/_SUCCESS.json", {"rows": shard_size})
+            data = encode_sample(
+                row=row,
+                input_ids=torch.randint(0, DEMO.vocab_size, (T,), generator=g, dtype=torch.int32).numpy(),
+                loss_mask=(np.arange(T) >= T // 4).astype(np.uint8),  # a prompt, then the answer
+                aux_hidden_states=torch.randn(T, 3 * DEMO.hidden_size, generator=g),
+                last_hidden_state=torch.randn(T, DEMO.hidden_size, generator=g),
+                spec=spec,
+                backend="hf",
+            )
+            store.write_bytes(sample_path(key, row), data)
+        store.write_json(manifest_path(key), {"rows": shard_size})
         keys.append(key)
     return keys
 

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.defs.demo_run import run_graph
 from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
-from eagle3_assets.hidden_states.sample_file import MANIFEST_NAME, shard_dir
 from eagle3_assets.project import Project
+from eagle3_assets.start import GraphStart
 from eagle3_assets.prompts import Prompt
+from eagle3_assets.sample_file import MANIFEST_NAME, shard_dir
 from eagle3_assets.settings import Settings, TrainingSettings, demo_settings
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
@@ -52,7 +52,7 @@ def demo_store(path: Path, settings: Settings | None = None) -> Project:
     if not shard_keys(project.store):
         log(f"building the store in {path} (data assets and shards, as make demo does)")
         with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
-            if not run_graph(build_definitions(project), instance, through="hidden_states"):
+            if not GraphStart(build_definitions(project), instance, project).run(through="hidden_states"):
                 raise RuntimeError(f"the demo graph failed building {path}; rerun to resume")
     return project
 

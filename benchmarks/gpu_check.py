@@ -54,8 +54,8 @@ from eagle3_assets.drafter.target_head import TargetHead  # noqa: E402
 from eagle3_assets.drafter.train import autocast, objective  # noqa: E402
 from eagle3_assets.hidden_states import ExtractionRequest  # noqa: E402
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor  # noqa: E402
-from eagle3_assets.hidden_states.sample_file import SampleSpec, encode_sample, manifest_path, sample_path  # noqa: E402
 from eagle3_assets.hidden_states.shard import extract_shard  # noqa: E402
+from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path  # noqa: E402
 from eagle3_assets.settings import ExtractionSettings, TrainingSettings  # noqa: E402
 from eagle3_assets.shards import Shard  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402

@@ -78,6 +78,20 @@ def _parse_line(obj: Any, where: str, lineno: int) -> Prompt:
     return Prompt(pid, messages, extra, kwargs)
 
 
+def decode_prompts(data: bytes, source: str) -> str:
+    """The file's text; PromptsError naming the line and column of the first byte that is not UTF-8."""
+    try:
+        # utf-8-sig: a byte-order mark at the start (Windows editors write one) is not part of line 1.
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise PromptsError(
+            f"{source}:{lineno}, column {e.start - line_start + 1}: byte {data[e.start]:#04x} is not UTF-8 "
+            "(save the file as UTF-8)"
+        ) from None
+
+
 def parse_prompts(text: str, source: str) -> list[Prompt]:
     """All prompts in a JSONL text; raises PromptsError naming `source` and the line at fault."""
     prompts: list[Prompt] = []
@@ -90,8 +104,15 @@ def parse_prompts(text: str, source: str) -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptsError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            raise PromptsError(f"{where}, column {e.colno}: malformed JSON ({e.msg})") from None
         prompt = _parse_line(obj, where, lineno)
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            # A `\ud800` escape decodes to half a UTF-16 pair, which no UTF-8 file can hold.
+            raise PromptsError(
+                f"{where} (id {prompt.id}): {e.object[e.start : e.end]!r} is half of a UTF-16 surrogate pair, not text"
+            ) from None
         if prompt.id in seen:
             raise PromptsError(f"{where}: duplicate id {prompt.id!r} (first on line {seen[prompt.id]})")
         seen[prompt.id] = lineno

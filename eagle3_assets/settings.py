@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3_assets.errors import Refusal
+from eagle3_assets.storage_dtypes import StorageDtype
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 ROOT_ENV = "EAGLE3_ROOT"
@@ -27,7 +28,8 @@ class SettingsError(Refusal, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # `.inf` and `.nan` are valid YAML floats: a bound like `ge=0` lets `.inf` through.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GenerationSettings(_Section):
@@ -58,7 +60,7 @@ class ExtractionSettings(_Section):
 
     backend: Literal["hf", "vllm"] = "hf"
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch (rows sorted by length)")
-    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+    storage_dtype: StorageDtype = Field(
         "bfloat16", description="float8_e4m3fn: half the bytes, one float32 scale per token and tensor"
     )
     progress_interval_s: float = Field(30.0, gt=0, description="seconds between progress observations")
@@ -385,7 +387,7 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         return demo_settings()
     try:
         with fsspec.open(path, "r", encoding="utf-8-sig") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f)
     except FileNotFoundError:
         raise SettingsError(f"{CONFIG_ENV}={path}: file not found") from None
     except IsADirectoryError:
@@ -394,10 +396,22 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         raise SettingsError(f"{CONFIG_ENV}={path}: cannot be read: {e}") from None
     except yaml.YAMLError as e:
         raise SettingsError(f"{CONFIG_ENV}={path}: not valid YAML: {e}") from None
+    if not data:
+        # Parsed, an empty file would be the demo's target with a production config's defaults,
+        # refused later for settings the user never wrote.
+        raise SettingsError(
+            f"{CONFIG_ENV}={path}: the file holds no settings; name at least target_model and prompts, "
+            f"or unset {CONFIG_ENV} for the demo"
+        )
     if not isinstance(data, dict):
         raise SettingsError(f"{CONFIG_ENV}={path}: expected a mapping of settings, got {type(data).__name__}")
     settings = parse_settings(data, source=path)
-    if settings.target_model and "://" not in settings.target_model and Path(settings.target_model).is_dir():
+    local_target = settings.target_model and "://" not in settings.target_model and Path(settings.target_model)
+    if local_target and local_target.is_file():
+        raise SettingsError(
+            f"invalid settings in {path}: target_model: {settings.target_model} is a file; name the model's directory"
+        )
+    if local_target and local_target.is_dir():
         # A local target is checked now, so a wrong layer id fails the code location, not a shard hours later.
         from eagle3_assets.target import TargetModel, TargetModelError
 

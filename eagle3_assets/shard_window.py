@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from eagle3_assets.hidden_states.sample_file import check_record_path, manifest_path, sample_row, shard_dir
+from eagle3_assets.sample_file import check_record_path, manifest_path, sample_row, shard_dir
 from eagle3_assets.storage import ArtifactStore
 
 WINDOW_DIR = "drafter/window"

@@ -41,6 +41,7 @@ import yaml
 
 from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions
 from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
+from dagster._core.utils import make_new_run_id
 
 from eagle3_assets.defs.drafter.assets import unusable_shards
 from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
@@ -137,11 +138,13 @@ class GraphStart:
         self.log(f"{label}: starting")
         # execute_in_process does not use the job's executor: the run names its process itself,
         # so a later sweep (this command again, the daemon) can fail it if this process is killed.
+        run_id = make_new_run_id()
         result = self.job.execute_in_process(
             instance=self.instance,
             asset_selection=keys,
             partition_key=partition,
-            tags={LAUNCHED_BY: "start", **process_tags()},
+            run_id=run_id,
+            tags={LAUNCHED_BY: "start", **process_tags(run_id)},
             raise_on_error=False,
         )
         status = "ok" if result.success else "FAILED"

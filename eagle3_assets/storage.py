@@ -8,6 +8,7 @@ that looks complete. Temporary names start with a dot and are never listed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,13 +23,24 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.errors import Eagle3Error, Refusal
 
 TMP_MARK = ".tmp-"
+# A full disk, a read-only store, a write not permitted: a retry meets the same wall.
+REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class StoreError(Eagle3Error, RuntimeError):
     """A store operation failed; the message names the artifact and the cause."""
+
+
+class StoreRefusal(Refusal, StoreError):
+    """The store cannot take a write (full, read-only, not permitted); the message names the path."""
+
+
+def write_error(what: str, e: OSError) -> StoreError:
+    """`e` as the store's error: a refusal for the errnos no retry can fix."""
+    return (StoreRefusal if e.errno in REFUSED_ERRNOS else StoreError)(f"{what}: {e}")
 
 
 def _is_tmp(name: str) -> bool:
@@ -107,7 +119,7 @@ class ArtifactStore:
         try:
             self.fs.makedirs(parent, exist_ok=True)
         except OSError as e:
-            raise StoreError(f"cannot create directory {self.fs.unstrip_protocol(parent)}: {e}") from e
+            raise write_error(f"cannot create directory {self.fs.unstrip_protocol(parent)}", e) from e
 
     @contextmanager
     def open_atomic(self, rel: str, mode: str = "wb") -> Iterator[IO[Any]]:
@@ -117,18 +129,29 @@ class ArtifactStore:
         try:
             f = self.fs.open(tmp, mode)
         except OSError as e:
-            raise StoreError(f"cannot write {self.url_of(rel)}: {e}") from e
+            raise write_error(f"cannot write {self.url_of(rel)}", e) from e
         try:
             with f:
                 yield f
             self.fs.mv(tmp, self.path(rel))
-        except BaseException:
+        except BaseException as e:
             try:
                 if self.fs.exists(tmp):
                     self.fs.rm(tmp)
             except OSError:
                 pass
+            if isinstance(e, OSError):  # the disk filled, or the store went read-only, while writing
+                raise write_error(f"cannot write {self.url_of(rel)}", e) from e
             raise
+
+    def check_writable(self, rel_dir: str) -> None:
+        """Write and remove an empty probe in `rel_dir`, so a read-only store is refused before any work."""
+        probe = f"{rel_dir}/.write-probe{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        self.write_bytes(probe, b"")
+        try:
+            self.remove(probe)
+        except OSError as e:
+            raise write_error(f"cannot remove {self.url_of(probe)}", e) from e
 
     def write_bytes(self, rel: str, data: bytes) -> int:
         with self.open_atomic(rel, "wb") as f:

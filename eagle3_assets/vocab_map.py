@@ -13,14 +13,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from eagle3_assets.errors import Refusal
 from eagle3_assets.storage import ArtifactStore
 
 TOKEN_FREQ_FILE = "token_freq/token_freq.safetensors"
 VOCAB_MAP_FILE = "vocab_map/vocab_map.safetensors"
 _CHUNK = 1 << 20
+
+
+class VocabMapError(Refusal, ValueError):
+    """Counts or a map that cannot be built or read; the message names the token, setting or file."""
 
 
 def token_frequencies(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -33,9 +39,9 @@ def token_frequencies(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_size: 
         try:
             chunk = np.bincount(ids, minlength=vocab_size)
         except ValueError:
-            raise ValueError(f"token id {int(ids.min())} outside the target vocabulary of {vocab_size}") from None
+            raise VocabMapError(f"token id {int(ids.min())} outside the target vocabulary of {vocab_size}") from None
         if len(chunk) > vocab_size:
-            raise ValueError(f"token id {int(ids.max())} outside the target vocabulary of {vocab_size}")
+            raise VocabMapError(f"token id {int(ids.max())} outside the target vocabulary of {vocab_size}")
         return chunk
 
     # Chunks keep bincount's int32 -> intp conversion in cache, and bincount releases the GIL,
@@ -62,7 +68,7 @@ class VocabMap:
 
     @classmethod
     def load(cls, store: ArtifactStore) -> VocabMap:
-        tensors = st_load(store.read_bytes(VOCAB_MAP_FILE))
+        tensors = _load(store, VOCAB_MAP_FILE, "vocab_map", ("d2t", "t2d"))
         return cls(tensors["d2t"], tensors["t2d"])
 
 
@@ -71,13 +77,24 @@ def save_token_frequencies(store: ArtifactStore, counts: np.ndarray) -> int:
 
 
 def load_token_frequencies(store: ArtifactStore) -> np.ndarray:
-    return st_load(store.read_bytes(TOKEN_FREQ_FILE))["counts"]
+    return _load(store, TOKEN_FREQ_FILE, "token_freq", ("counts",))["counts"]
+
+
+def _load(store: ArtifactStore, path: str, asset: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    try:
+        tensors = st_load(store.read_bytes(path))
+    except SafetensorError as e:
+        raise VocabMapError(f"{store.url_of(path)}: not a readable safetensors file ({e}); re-materialize {asset}") from None
+    missing = [k for k in keys if k not in tensors]
+    if missing:
+        raise VocabMapError(f"{store.url_of(path)}: has no {missing}; re-materialize {asset}")
+    return tensors
 
 
 def build_vocab_map(freq: np.ndarray, draft_vocab_size: int) -> VocabMap:
     """The `draft_vocab_size` most frequent ids (ties: lower id first), zero-count ids filling the rest."""
     if draft_vocab_size > len(freq):
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary ({len(freq)})")
+        raise VocabMapError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary ({len(freq)})")
     # A stable sort on -count keeps ids in ascending order among equal counts, which is the
     # tie rule, and puts unused ids (count 0) last in ascending order, which is the padding rule.
     chosen = np.argsort(-freq, kind="stable")[:draft_vocab_size]

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny untrained demo target (seconds to build) and tiny pipeline settings."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,16 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-target") / "model"
     build_demo_target(out, TINY_DEMO, log=lambda _: None)
     return out
+
+
+@pytest.fixture()
+def small_tmpfs(tmp_path: Path):
+    """A 64 KiB tmpfs of its own: a disk that really fills up, and can really be remounted read-only."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

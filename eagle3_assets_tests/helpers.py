@@ -19,8 +19,9 @@ from dagster._core.test_utils import instance_for_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_assets.crash_points import CRASH_ENV
-from eagle3_assets.hidden_states.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
+from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.hidden_states.hf_extractor import final_norm
+from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel

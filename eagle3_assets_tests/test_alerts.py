@@ -23,7 +23,10 @@ from dagster import (
     build_run_status_sensor_context,
     build_sensor_context,
 )
+from dagster._core.definitions.sensor_definition import SensorEvaluationContext
 from dagster._core.events import AssetObservationData, EngineEventData
+from dagster._core.execution.build_resources import wrap_resources_for_execution
+from dagster._core.remote_origin import RegisteredCodeLocationOrigin
 from dagster._core.test_utils import instance_for_test
 
 from eagle3_assets.alerts import (
@@ -37,7 +40,7 @@ from eagle3_assets.alerts import (
     stall_alert,
 )
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.defs.ops.runs import PID_TAG, process_tags
+from eagle3_assets.defs.ops.runs import ALERTED_TAG, PID_TAG, process_tags, record_run_process, sweep_dead_runs
 from eagle3_assets.defs.ops.sensors import (
     STALL_SINCE_TAG,
     STALL_TAG,
@@ -374,7 +377,8 @@ def test_dead_runs_sensor_fails_any_run_whose_recorded_process_is_gone_and_frees
         canceled = instance.create_run_for_job(job, asset_selection={AssetKey("responses")})
         instance.event_log_storage.claim_concurrency_slot("gpu", canceled.run_id, "responses")
         instance.report_run_canceled(canceled)
-        dead = instance.create_run_for_job(job, asset_selection={AssetKey("drafter")}, tags=process_tags(worker.pid))
+        dead = instance.create_run_for_job(job, asset_selection={AssetKey("drafter")})
+        instance.add_run_tags(dead.run_id, process_tags(dead.run_id, worker.pid))
         instance.handle_new_event(_entry(dead, DagsterEventType.RUN_START, time.time() - 60))
         instance.event_log_storage.claim_concurrency_slot("gpu", dead.run_id, "drafter")  # waits for the slot
         with WebhookServer() as hook:
@@ -449,7 +453,7 @@ def test_run_failure_sensor_posts_the_run_and_its_error(instance, project, tmp_p
 
 def test_run_failure_sensor_leaves_runs_the_stall_sensor_failed(instance, project, tmp_path, monkeypatch):
     result, _ = _failed_prompts_run(instance, project, tmp_path)
-    instance.add_run_tags(result.run_id, {STALL_TAG: "process_gone"})
+    instance.add_run_tags(result.run_id, {STALL_TAG: "process_gone", ALERTED_TAG: "shard_stall"})
     context = build_run_status_sensor_context(
         sensor_name="run_failure_alert",
         dagster_event=result.get_run_failure_event(),
@@ -463,23 +467,130 @@ def test_run_failure_sensor_leaves_runs_the_stall_sensor_failed(instance, projec
     assert hook.received == []
 
 
-def test_a_run_failed_from_outside_is_alerted_with_what_killed_it(instance, project, monkeypatch):
-    run = start_shard_run(instance, project, "rows_0-20", time.time() - 30)
-    killed = f"[DagsterApiServer] Run execution process for {run.run_id} was terminated by signal 9 (SIGKILL)."
-    instance.report_engine_event(killed, run)
-    failure = instance.report_run_failed(run)  # what the code server does when its child dies
+def alert_texts(instance: DagsterInstance, project: Project, run_id: str, failure: DagsterEvent, monkeypatch) -> list[str]:
+    """What `run_failure_alert` posts for the run's failure event (no UI link)."""
     context = build_run_status_sensor_context(
         sensor_name="run_failure_alert",
         dagster_event=failure,
         dagster_instance=instance,
-        dagster_run=instance.get_run_by_id(run.run_id),
+        dagster_run=instance.get_run_by_id(run_id),
         resources={"project": project},
     ).for_run_failure()
     with WebhookServer() as hook:
         monkeypatch.setenv(WEBHOOK_ENV, hook.url)
         monkeypatch.delenv("EAGLE3_UI_URL", raising=False)
         run_failure_alert_sensor(context)
-    assert [p["text"] for p in hook.received] == [
+    return [p["text"] for p in hook.received]
+
+
+def test_a_run_failed_from_outside_is_alerted_with_what_killed_it(instance, project, monkeypatch):
+    run = start_shard_run(instance, project, "rows_0-20", time.time() - 30)
+    killed = f"[DagsterApiServer] Run execution process for {run.run_id} was terminated by signal 9 (SIGKILL)."
+    instance.report_engine_event(killed, run)
+    failure = instance.report_run_failed(run)  # what the code server does when its child dies
+    assert alert_texts(instance, project, run.run_id, failure, monkeypatch) == [
         f"[eagle3] run {run.run_id} of __ASSET_JOB [rows_0-20] failed: "
         f"This run has been marked as failed from outside the execution context. {killed}"
     ]
+
+
+def dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_a_retried_or_reexecuted_run_is_not_failed_for_its_parents_dead_process(instance, project):
+    job = build_definitions(project).resolve_implicit_global_asset_job_def()
+    parent = instance.create_run_for_job(job, asset_selection={AssetKey("drafter")})
+    instance.add_run_tags(parent.run_id, process_tags(parent.run_id, dead_pid()))
+    instance.report_run_failed(instance.get_run_by_id(parent.run_id), "killed")
+    parent = instance.get_run_by_id(parent.run_id)
+    # A retry or a re-execution starts with a copy of its parent's tags (`use_parent_run_tags`),
+    # the parent's dead pid among them, until its own process records itself.
+    child = instance.create_run_for_job(
+        job, asset_selection={AssetKey("drafter")}, tags=parent.tags,
+        parent_run_id=parent.run_id, root_run_id=parent.run_id,
+    )  # fmt: skip
+    instance.handle_new_event(_entry(child, DagsterEventType.RUN_START, time.time()))
+    assert instance.get_run_by_id(child.run_id).tags[PID_TAG] == parent.tags[PID_TAG]
+    assert sweep_dead_runs(instance) == []
+    assert evaluate(build_shard_stall_sensor(check_pids=True), instance, project).skip_message.startswith("0 running")
+    assert instance.get_run_by_id(child.run_id).status == DagsterRunStatus.STARTED
+    record_run_process(instance, child.run_id)
+    assert sweep_dead_runs(instance) == []
+    assert instance.get_run_by_id(child.run_id).tags[PID_TAG] == str(os.getpid())
+
+
+def test_a_run_the_run_start_sweep_failed_is_alerted_by_run_failure_alert(instance, project, monkeypatch):
+    job = build_definitions(project).resolve_implicit_global_asset_job_def()
+    dead = instance.create_run_for_job(job, asset_selection={AssetKey("drafter")})
+    pid = dead_pid()
+    instance.add_run_tags(dead.run_id, process_tags(dead.run_id, pid))
+    instance.handle_new_event(_entry(dead, DagsterEventType.RUN_START, time.time() - 60))
+    (line,) = sweep_dead_runs(instance)  # what a starting run's executor does: it sends no alert itself
+    failure = instance.all_logs(dead.run_id, of_type=DagsterEventType.RUN_FAILURE)[-1].dagster_event
+    assert alert_texts(instance, project, dead.run_id, failure, monkeypatch) == [
+        f"[eagle3] run {dead.run_id} of __ASSET_JOB failed: {line}"
+    ]
+
+
+def test_run_failure_alert_sees_runs_launched_outside_the_code_location(instance, project, tmp_path, monkeypatch):
+    """The daemon evaluates the sensor for the workspace's location; `dagster asset materialize` (and
+    `execute_in_process`, as here) records runs that belong to no location of the workspace."""
+
+    def tick(cursor: str | None) -> SensorEvaluationContext:
+        context = SensorEvaluationContext(
+            instance_ref=None, instance=instance, cursor=cursor, repository_name="__repository__",
+            code_location_origin=RegisteredCodeLocationOrigin("eagle3_assets"), sensor_name="run_failure_alert",
+            resources=wrap_resources_for_execution({"project": project}),
+        )  # fmt: skip
+        list(run_failure_alert_sensor.evaluate_tick(context).skip_message or [])
+        return context
+
+    first = tick(None)  # the first tick only places the cursor
+    result, bad = _failed_prompts_run(instance, project, tmp_path)
+    assert result.dagster_run.remote_job_origin is None
+    with WebhookServer() as hook:
+        monkeypatch.setenv(WEBHOOK_ENV, hook.url)
+        tick(first.cursor)
+    assert [p["alert"]["run_id"] for p in hook.received] == [result.run_id]
+    assert f"{bad}:2 (id b): empty prompt" in hook.received[0]["text"]
+
+
+_RUN_RETRIES_PROJECT: list[Project] = []  # the project `_retries_job` builds from, set by the test
+
+
+def _retries_job():
+    from dagster import Definitions, define_asset_job
+
+    job = define_asset_job("prompts_only", selection="prompts")  # an implicit job cannot be reconstructed
+    return Definitions.merge(build_definitions(_RUN_RETRIES_PROJECT[0]), Definitions(jobs=[job])).resolve_job_def(
+        "prompts_only"
+    )
+
+
+def test_the_instance_does_not_relaunch_a_refusal_but_a_crash(project, tmp_path):
+    """Through the job's own executor (in process), as `dagster asset materialize` runs it: a refused
+    step tags its run `dagster/max_retries: 0`, so `run_retries` leaves it; a run whose process is gone
+    keeps its one relaunch."""
+    from dagster import execute_job, reconstructable
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": ""}\n')
+    _RUN_RETRIES_PROJECT[:] = [Project(project.settings.model_copy(update={"prompts": str(bad)}), project.store)]
+    retries = {"concurrency": {"pools": {"default_limit": 1}}, "run_retries": {"enabled": True, "max_retries": 1}}
+    with instance_for_test(overrides=retries) as instance:
+        with execute_job(
+            reconstructable(_retries_job), instance,
+            run_config={"execution": {"config": {"in_process": {}}}},
+        ) as result:  # fmt: skip
+            assert not result.success
+        refused = instance.get_run_by_id(result.run_id)
+        assert (refused.tags["dagster/max_retries"], refused.tags["dagster/will_retry"]) == ("0", "false")
+
+        crashed = instance.create_run_for_job(_retries_job())
+        instance.add_run_tags(crashed.run_id, process_tags(crashed.run_id, dead_pid()))
+        instance.handle_new_event(_entry(crashed, DagsterEventType.RUN_START, time.time()))
+        assert len(sweep_dead_runs(instance)) == 1
+        assert instance.get_run_by_id(crashed.run_id).tags["dagster/will_retry"] == "true"

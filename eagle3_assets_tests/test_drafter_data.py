@@ -27,7 +27,7 @@ from eagle3_assets.drafter.data import (
     split_batch,
     split_heldout,
 )
-from eagle3_assets.hidden_states.sample_file import read_header
+from eagle3_assets.sample_file import read_header
 from eagle3_assets.storage import ArtifactStore
 
 from .helpers import random_rows, tiny_llama, write_shard

@@ -10,13 +10,14 @@ import torch
 
 from eagle3_assets.demo.world import demo_world, single_fact_conversation, template_conversation
 from eagle3_assets.drafter.data import BatchLoader, heldout_batches, index_samples
+from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.evaluate import EvalReport
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import TOKEN_CLASSES, ClassAccuracy, LabeledRow, class_accuracy, label_rows
 from eagle3_assets.drafter.train import evaluate
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
-from eagle3_assets.prompts import Prompt
+from eagle3_assets.prompts import Prompt, PromptsError
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import load_tokenizer
@@ -104,7 +105,7 @@ def test_features_extracted_for_other_tokens_are_refused(scored):
     rows, _, _, samples, head = scored
     ids, mask = rows[0]
     row = LabeledRow([*ids[:-1], (ids[-1] + 1) % 256], {c: [bool(m) for m in mask] for c in TOKEN_CLASSES})
-    with pytest.raises(ValueError, match="features of row 0 were extracted for other tokens"):
+    with pytest.raises(EvaluationError, match="features of row 0 were extracted for other tokens"):
         class_accuracy(make_model(), head, [row], samples[:1], pre_norm=False, num_steps=1)
 
 
@@ -132,5 +133,5 @@ def test_report_metadata_lists_only_classes_present_in_the_eval_set():
 def test_malformed_fact_spans_are_refused_naming_the_prompt(tiny_target_dir):
     tok = load_tokenizer(tiny_target_dir)
     prompt = Prompt("eval-07", [{"role": "user", "content": "hi"}], {"reference": "<think>red</think>", "fact_spans": [[7, 99]]})
-    with pytest.raises(ValueError, match=r"eval prompt eval-07: fact_spans must be .* <= 18 .*got \[\[7, 99\]\]"):
+    with pytest.raises(PromptsError, match=r"eval prompt eval-07: fact_spans must be .* <= 18 .*got \[\[7, 99\]\]"):
         label_rows([prompt], [[1, 3]], [[5, 6]], tok)

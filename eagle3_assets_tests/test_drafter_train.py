@@ -23,7 +23,7 @@ from safetensors.torch import save as st_save
 from eagle3_assets.drafter.checkpoint import CheckpointError, checkpoint_rel, list_checkpoints, save_checkpoint
 from eagle3_assets.drafter.launch import LaunchRefused, refuse_another_world_size
 from eagle3_assets.drafter.train import NonFiniteLossError, TrainingError, train_drafter
-from eagle3_assets.hidden_states.sample_file import read_header
+from eagle3_assets.sample_file import read_header
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 

@@ -187,3 +187,15 @@ def test_every_recipe_option_serves_in_vllm_as_it_trained(served_target):
         assert spec.outputs == want, name
         if set(OPTIONS[name]) & NORM_FLAGS:  # a norm placement vLLM did not apply would move its counters
             assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)
+
+
+def test_a_failed_vllm_generation_is_a_named_retryable_evaluation_error(tmp_path: Path):
+    """A fault (vLLM exits non-zero): named, with the end of vLLM's output, and retryable."""
+    from eagle3_assets.drafter.errors import EvaluationError
+
+    with pytest.raises(EvaluationError) as e:
+        generate_runs_in_subprocess(tmp_path / "target", [[1, 2]], [{"no_such_option": 1}], timeout_s=300)
+    msg = str(e.value)
+    assert msg.startswith(f"drafter_eval: vLLM generation of 1 run(s) over 1 prompts failed (exit 1; target {tmp_path / 'target'})")
+    assert "unexpected keyword argument 'no_such_option'" in msg
+    assert e.value.retryable

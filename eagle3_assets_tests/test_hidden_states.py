@@ -32,7 +32,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3_assets.hidden_states import ExtractionRequest, ExtractorConfigError, extract_in_order, open_extractor
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor, plan_batches
 from eagle3_assets.hidden_states.integrity import check_shard, check_shards
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.hidden_states.shard import (
+    ExtractionProgress,
+    InsufficientSpaceError,
+    RowTooLongError,
+    ShardExtractionError,
+    StoreNotWritableError,
+    extract_shard,
+)
+from eagle3_assets.sample_file import (
     FORMAT,
     SampleSpec,
     decode_hidden,
@@ -46,14 +54,6 @@ from eagle3_assets.hidden_states.sample_file import (
     shard_dir,
     tensor_problem,
     written_sample_problem,
-)
-from eagle3_assets.hidden_states.shard import (
-    ExtractionProgress,
-    InsufficientSpaceError,
-    RowTooLongError,
-    ShardExtractionError,
-    StoreNotWritableError,
-    extract_shard,
 )
 from eagle3_assets.target import TargetModel, TargetModelError
 from eagle3_assets.settings import ExtractionSettings, Settings
@@ -806,3 +806,12 @@ def test_read_only_store_is_refused_and_nothing_written_is_lost(extractor: HFExt
 def test_shard_past_the_tokenized_set_is_refused(extractor: HFExtractor):
     with pytest.raises(ShardExtractionError, match=r"^shard rows_10-20 ends past the tokenized set of 12 rows$"):
         extract_shard(memory_store(), make_tokenized(LENGTHS), Shard(10, 20), extractor, settings(), model_name="m")
+
+
+def test_a_stale_shard_key_is_a_refusal_that_says_to_re_tokenize():
+    from eagle3_assets.errors import Refusal
+    from eagle3_assets.hidden_states.integrity import StaleShardKeyError
+
+    with pytest.raises(StaleShardKeyError, match=r"shard rows_0-400 ends past the tokenized set of 3 rows: .* re-materialize tokenized") as e:
+        check(memory_store(), make_tokenized([5, 6, 7]), Shard.parse("rows_0-400"))
+    assert isinstance(e.value, Refusal)

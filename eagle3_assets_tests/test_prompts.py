@@ -1,6 +1,6 @@
 import pytest
 
-from eagle3_assets.prompts import PromptsError, dump_prompts, parse_prompts
+from eagle3_assets.prompts import PromptsError, decode_prompts, dump_prompts, parse_prompts
 
 
 def test_prompt_and_messages_forms():
@@ -19,7 +19,9 @@ def test_prompt_and_messages_forms():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"prompt": "ok"}\n{"prompt": "fine"\n', r"p\.jsonl:2: malformed JSON \(Expecting ',' delimiter at column 18\)"),
+        ('{"prompt": "ok"}\n{"prompt": "fine"\n', r"p\.jsonl:2, column 18: malformed JSON \(Expecting ',' delimiter\)$"),
+        ('{"prompt": "ok"}\n{"prompt": "fine\n', r"p\.jsonl:2, column 12: malformed JSON \(Unterminated string starting at\)$"),
+        ('{"prompt": "ok"}\n{"id": "s", "prompt": "a \\ud800 b"}\n', r"p\.jsonl:2 \(id s\): '\\ud800' is half of a UTF-16 surrogate pair"),
         ('{"id": "x", "prompt": "   "}\n', r"p\.jsonl:1 \(id x\): empty prompt"),
         ('{"prompt": 3}\n', r"p\.jsonl:1 \(id line-1\): 'prompt' must be a string, got int"),
         ('{"id": 1, "text": "a"}\n', r"p\.jsonl:1 \(id 1\): needs a 'prompt' string or a 'messages' list"),
@@ -34,3 +36,10 @@ def test_prompt_and_messages_forms():
 def test_bad_lines_are_named(text: str, message: str):
     with pytest.raises(PromptsError, match=message):
         parse_prompts(text, "p.jsonl")
+
+
+def test_a_byte_that_is_not_utf8_is_located_by_line_and_column():
+    data = '{"prompt": "ok"}\n{"prompt": "caf'.encode() + b"\xe9" + b'"}\n'
+    with pytest.raises(PromptsError, match=r"^p\.jsonl:2, column 16: byte 0xe9 is not UTF-8 \(save the file as UTF-8\)$"):
+        decode_prompts(data, "p.jsonl")
+    assert decode_prompts("\ufeff{}".encode(), "p.jsonl") == "{}"

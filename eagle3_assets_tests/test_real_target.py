@@ -21,9 +21,9 @@ from dagster import AssetKey
 from safetensors.torch import load as st_load
 
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.hidden_states.sample_file import decode_hidden, sample_path
 from eagle3_assets.project import Project
 from eagle3_assets.responses import read_responses
+from eagle3_assets.sample_file import decode_hidden, sample_path
 from eagle3_assets.settings import ExtractionSettings, GenerationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet

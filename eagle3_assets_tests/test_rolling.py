@@ -27,8 +27,8 @@ from eagle3_assets.drafter.rolling import HELDOUT_DIR, RollingPlan
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.integrity import check_shard
-from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.hidden_states.shard import extract_shard
+from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import ExtractionSettings, TrainingSettings
 from eagle3_assets.shard_window import Window, read_consumed, sample_files, write_check_record
 from eagle3_assets.shards import Shard, plan_shards

@@ -102,3 +102,21 @@ def test_drafter_eval_has_its_own_decode_length_and_a_timeout_that_grows_with_th
     assert eval_timeout_s(s.evaluation, passes=5, prompts=80, max_tokens=64) == 5 * (100 + 512)
     with pytest.raises(SettingsError, match="evaluation.max_new_tokens: Input should be greater than or equal to 1"):
         load_settings(write_config(tmp_path, "evaluation: {max_new_tokens: 0}\n"))
+
+
+def test_non_finite_numbers_are_refused_naming_the_field(tmp_path: Path):
+    text = "generation:\n  temperature: .inf\ntraining:\n  epochs: .nan\nextraction:\n  disk_margin: .inf\n"
+    with pytest.raises(SettingsError) as e:
+        load_settings(write_config(tmp_path, text))
+    msg = str(e.value)
+    for field in ("generation.temperature", "training.epochs", "extraction.disk_margin"):
+        assert f"{field}: Input should be a finite number" in msg
+
+
+def test_an_empty_settings_file_and_a_target_model_that_is_a_file_are_named(tmp_path: Path):
+    with pytest.raises(SettingsError, match=r"eagle3.yaml: the file holds no settings; name at least target_model"):
+        load_settings(write_config(tmp_path, "# nothing yet\n"))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(SettingsError, match=r"target_model: .*model.safetensors is a file; name the model's directory"):
+        load_settings(write_config(tmp_path, f"target_model: {weights}\n"))

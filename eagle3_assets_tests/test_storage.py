@@ -104,3 +104,24 @@ def test_read_only_store_error_names_the_path(tmp_path: Path):
         store = ArtifactStore(tmp_path / "ro")
     with pytest.raises(StoreError, match=r"cannot (write|create directory) .*"):
         store.write_text("x/y.txt", "data")
+
+
+def test_a_full_disk_and_a_read_only_store_are_refusals_naming_the_file(small_tmpfs: Path):
+    from eagle3_assets.errors import Refusal
+
+    store = ArtifactStore(small_tmpfs / "store")
+    store.write_text("responses/parts/part-00000.jsonl", "kept\n")
+    with pytest.raises(StoreError) as full:
+        store.write_bytes("responses/parts/part-00001.jsonl", b"x" * 200_000)
+    assert str(full.value) == (
+        f"cannot write file://{small_tmpfs}/store/responses/parts/part-00001.jsonl: [Errno 28] No space left on device"
+    )
+    assert isinstance(full.value, Refusal)
+    assert store.listdir("responses/parts") == ["part-00000.jsonl"]  # no temporary left, the finished part kept
+    assert os.listdir(small_tmpfs / "store/responses/parts") == ["part-00000.jsonl"]
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(StoreError, match=r"^cannot write .*/store/responses/parts/\.write-probe.*Read-only file system") as ro:
+        store.check_writable("responses/parts")
+    assert isinstance(ro.value, Refusal)
+    assert store.read_text("responses/parts/part-00000.jsonl") == "kept\n"

@@ -28,6 +28,7 @@ from eagle3_assets.generation import open_generator
 from eagle3_assets.hidden_states import open_extractor
 from eagle3_assets.hidden_states.vllm_extractor import VllmExtractionError, split_hidden_states
 from eagle3_assets.processes import group_members
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.settings import ExtractionSettings, GenerationSettings, Settings, VllmSettings
 from eagle3_assets.target import TargetModel
 from eagle3_assets.vllm_server.client import (
@@ -37,7 +38,8 @@ from eagle3_assets.vllm_server.client import (
     free_port,
     http_json,
 )
-from eagle3_assets.vllm_server.command import ServerPlan, serve_args
+from eagle3_assets.vllm_server.command import serve_args
+from eagle3_assets.vllm_server.protocol import ServerPlan
 from eagle3_assets.vllm_server.protocol import (
     SampleParams,
     lock_path,
@@ -46,7 +48,6 @@ from eagle3_assets.vllm_server.protocol import (
     raw_hidden_states_file,
 )
 from eagle3_assets.vllm_server.server import VllmServer
-from eagle3_assets.hidden_states.sample_file import SampleSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -286,3 +287,18 @@ def test_the_supervisor_stops_the_server_when_its_starter_dies(tmp_path: Path):
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_cpu_server_that_cannot_reserve_its_kv_cache_names_the_setting():
+    from eagle3_assets.vllm_server.server import memory_hint
+
+    # What the CPU build logs when other processes hold part of the RAM (vLLM 0.x, issue 26).
+    log = (
+        "ValueError: Available memory on node 0 (15.58/23.54 GiB) on startup is less than desired CPU memory "
+        "utilization (0.9, 21.19 GiB)."
+    )
+    assert memory_hint(log) == (
+        ": the CPU build could not reserve its KV cache (by default most of the machine's RAM); "
+        "set vllm.cpu_kv_cache_gib (e.g. 4) to bound it"
+    )
+    assert memory_hint("OSError: model not found") == ""

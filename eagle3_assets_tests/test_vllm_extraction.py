@@ -29,10 +29,10 @@ from eagle3_assets.generation.vllm import VLLMGenerator
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.integrity import check_shard, check_shards
-from eagle3_assets.hidden_states.sample_file import decode_hidden, manifest_path, sample_path
 from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.hidden_states.vllm_extractor import VLLMExtractor
 from eagle3_assets.processes import group_members
+from eagle3_assets.sample_file import decode_hidden, manifest_path, sample_path
 from eagle3_assets.settings import ExtractionSettings, GenerationSettings, Settings, VllmSettings
 from eagle3_assets.target import TargetModel
 from eagle3_assets.shards import Shard, plan_shards

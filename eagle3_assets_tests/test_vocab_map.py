@@ -74,3 +74,15 @@ def test_problems_name_what_is_wrong():
 
 def vmap_problems_free(vmap: VocabMap, draft: int, target: int) -> bool:
     return vocab_map_problems(vmap, draft_vocab_size=draft, target_vocab_size=target) == []
+
+
+def test_a_corrupt_token_freq_file_is_a_refusal_naming_the_file(tmp_path):
+    from eagle3_assets.errors import Refusal
+    from eagle3_assets.storage import ArtifactStore
+    from eagle3_assets.vocab_map import TOKEN_FREQ_FILE, VocabMapError, load_token_frequencies
+
+    store = ArtifactStore(str(tmp_path))
+    store.write_bytes(TOKEN_FREQ_FILE, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(VocabMapError, match=r"token_freq/token_freq.safetensors: not a readable safetensors file .*re-materialize token_freq") as e:
+        load_token_frequencies(store)
+    assert isinstance(e.value, Refusal) and str(tmp_path) in str(e.value)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafter_runs import shard_keys  # noqa: E402
 
 from eagle3_assets.drafter.data import index_samples, load_sample, split_heldout  # noqa: E402
-from eagle3_assets.hidden_states.sample_file import manifest_path as shard_manifest  # noqa: E402
+from eagle3_assets.sample_file import manifest_path as shard_manifest  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
 from eagle3_assets.vocab_map import VocabMap  # noqa: E402
 

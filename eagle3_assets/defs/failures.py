@@ -8,10 +8,20 @@ and on a GPU node each attempt would load the model again first.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from dagster import Failure
 
 from eagle3_assets.errors import Eagle3Error
+
+# In a refusal's metadata: the run-start executor (`ops/executor.py`) sees it go by and keeps the
+# instance's `run_retries` from relaunching the run, which `allow_retries` alone does not.
+REFUSAL = "eagle3/refusal"
+
+
+def refusal(message: str, metadata: dict[str, Any] | None = None) -> Failure:
+    """A `Failure` nothing may repeat: neither the asset's `RetryPolicy` nor the instance's `run_retries`."""
+    return Failure(message, allow_retries=False, metadata={**(metadata or {}), REFUSAL: True})
 
 
 @contextmanager
@@ -21,4 +31,4 @@ def failures(prefix: str = "") -> Iterator[None]:
         yield
     except Eagle3Error as e:
         message = str(e) if not prefix or str(e).startswith(prefix) else f"{prefix}: {e}"
-        raise Failure(message, allow_retries=e.retryable) from None
+        raise (Failure(message) if e.retryable else refusal(message)) from None

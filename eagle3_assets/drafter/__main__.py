@@ -26,8 +26,8 @@ from eagle3_assets.drafter.report import Report, open_report
 from eagle3_assets.drafter.run import DrafterRun, run_figures, train_and_export
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states.integrity import manifest_problem
-from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.tokenized import TokenizedSet
 

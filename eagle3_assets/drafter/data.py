@@ -1,7 +1,7 @@
 """Hidden-state samples for drafter training: the shard guard, the sample index, batches.
 
 Samples are `hidden_states/<shard key>/<row>.safetensors` (docs/DESIGN.md §4, the format
-in `hidden_states/sample_file.py`). Indexing reads only each file's header (a few hundred
+in `sample_file.py`). Indexing reads only each file's header (a few hundred
 bytes), so the whole set is checked for format, shapes and one consistent set of aux
 layers before training starts; a bad file is named. Batches read one file at a time,
 memory-mapped when the store is local; a shard is never held in RAM. Every sample is
@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from eagle3_assets.drafter.errors import TrainingError
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.sample_file import (
     HIDDEN_NAMES,
     MANIFEST_NAME,
     SAMPLE_SUFFIX,

@@ -7,3 +7,7 @@ from eagle3_assets.errors import Eagle3Error
 
 class TrainingError(Eagle3Error, RuntimeError):
     """Drafter training cannot start or continue; the message names the input, file or setting at fault."""
+
+
+class EvaluationError(Eagle3Error, RuntimeError):
+    """The drafter cannot be evaluated; the message names the input, file or setting at fault."""

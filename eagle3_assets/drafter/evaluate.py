@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
+from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
@@ -45,10 +46,6 @@ from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_
 
 EVAL_REPORT_FILE = "drafter_eval/report.json"
 SPECULATIVE_TOKENS = (3, 7)
-
-
-class EvaluationError(Eagle3Error, RuntimeError):
-    """The drafter cannot be evaluated; the message names the missing input."""
 
 
 @dataclass

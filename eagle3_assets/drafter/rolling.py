@@ -23,7 +23,7 @@ from eagle3_assets.drafter.checkpoint import checkpoint_rel
 from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError, DataPosition, SampleFormat, SampleRef
 from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
-from eagle3_assets.hidden_states.sample_file import manifest_path
+from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.shard_window import check_verdict, read_consumed_one, record_consumed, release
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore

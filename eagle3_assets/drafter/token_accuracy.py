@@ -29,11 +29,12 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import span_token_flags
 from eagle3_assets.drafter.data import collate
+from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.model import Eagle3Drafter
 from eagle3_assets.drafter.target_head import TargetHead
 from eagle3_assets.drafter.ttt import ttt_forward
 from eagle3_assets.hidden_states.base import ExtractedSample
-from eagle3_assets.prompts import Prompt
+from eagle3_assets.prompts import Prompt, PromptsError
 
 TOKEN_CLASSES = ("all", "template", "fact_prompt", "fact")
 
@@ -92,7 +93,7 @@ def _fact_spans(prompt: Prompt, reference_chars: int) -> list[tuple[int, int]]:
         for s in spans
     )
     if not ok:
-        raise ValueError(
+        raise PromptsError(
             f"eval prompt {prompt.id}: fact_spans must be [[start, end], ...] character offsets with "
             f"0 <= start < end <= {reference_chars} (the reference's length), got {spans!r}"
         )
@@ -118,7 +119,7 @@ def class_accuracy(
         chunk = list(zip(rows[start : start + batch_rows], samples[start : start + batch_rows], strict=True))
         for row, sample in chunk:
             if not np.array_equal(np.asarray(sample.input_ids), np.asarray(row.input_ids)):
-                raise ValueError(f"features of row {sample.row} were extracted for other tokens than the row's")
+                raise EvaluationError(f"features of row {sample.row} were extracted for other tokens than the row's")
         batch = collate(
             [
                 (

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.processes import signal_group
 
 _SPEC_PREFIX = "vllm:spec_decode_"
@@ -109,7 +110,7 @@ def zero_fc_copy(export_dir: str | Path, out_dir: str | Path) -> Path:
     shutil.copy(export_dir / "config.json", out_dir / "config.json")
     tensors = load_file(str(export_dir / "model.safetensors"))
     if "fc.weight" not in tensors:
-        raise ValueError(f"{export_dir}/model.safetensors has no fc.weight to zero")
+        raise EvaluationError(f"{export_dir}/model.safetensors has no fc.weight to zero: not an EAGLE-3 export")
     tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -273,8 +274,8 @@ def generate_runs_in_subprocess(
                 while proc.poll() is None:
                     collect()
                     if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"vLLM generation timed out after {timeout_s:.0f}s with {len(results)} of {len(runs)} "
+                        raise EvaluationError(
+                            f"drafter_eval: vLLM generation timed out after {timeout_s:.0f}s with {len(results)} of {len(runs)} "
                             f"runs done:\n{output.read_text()[-4000:]}"
                         )
                     time.sleep(0.5)
@@ -284,7 +285,10 @@ def generate_runs_in_subprocess(
                     proc.wait()
         collect()
         if proc.returncode != 0 or len(results) != len(runs):
-            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
+            raise EvaluationError(
+                f"drafter_eval: vLLM generation of {len(runs)} run(s) over {len(token_prompts)} prompts failed "
+                f"(exit {proc.returncode}; target {target_dir}); its output ends:\n{output.read_text()[-4000:]}"
+            )
         return results
 
 

@@ -1,6 +1,6 @@
 """The interface every generation backend implements: token ids in, token ids out.
 
-A backend gets each conversation's prompt as the token ids `render_prompt` made from
+A backend gets each conversation's prompt as the token ids `responses.Renderer` made from
 it (the chat template with the generation prompt, rendered once, here), and returns
 exactly the token ids the engine produced, the stop token included when it stopped on
 one. Those two lists are the training row (`tokenized.py`); the texts a person reads

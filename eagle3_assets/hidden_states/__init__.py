@@ -19,6 +19,7 @@ from eagle3_assets.hidden_states.base import (
     ExtractedSample,
     ExtractionRequest,
     ExtractorConfigError,
+    ExtractorError,
     HiddenStateExtractor,
     WrittenSample,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ExtractedSample",
     "ExtractionRequest",
     "ExtractorConfigError",
+    "ExtractorError",
     "HiddenStateExtractor",
     "WrittenSample",
     "extract_in_order",
@@ -67,9 +69,9 @@ def extract_in_order(extractor: HiddenStateExtractor, requests: list[ExtractionR
     by_row = {}
     for s in extractor.extract(requests, spec=None):
         if not isinstance(s, ExtractedSample):
-            raise RuntimeError(f"the {extractor.backend} backend wrote row {s.row} itself; tensors were asked for")
+            raise ExtractorError(f"the {extractor.backend} backend wrote row {s.row} itself; tensors were asked for")
         by_row[s.row] = s
     missing = [r.row for r in requests if r.row not in by_row]
     if missing:
-        raise RuntimeError(f"the {extractor.backend} backend returned no sample for rows {missing}")
+        raise ExtractorError(f"the {extractor.backend} backend returned no sample for rows {missing}")
     return [by_row[r.row] for r in requests]

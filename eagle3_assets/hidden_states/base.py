@@ -22,8 +22,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from eagle3_assets.errors import Refusal
-from eagle3_assets.hidden_states.sample_file import NormConvention, SampleSpec
+from eagle3_assets.errors import Eagle3Error, Refusal
+from eagle3_assets.sample_file import NormConvention, SampleSpec
+
+
+class ExtractorError(Eagle3Error, RuntimeError):
+    """A backend broke its contract (a row it did not return, a file where tensors were asked for)."""
 
 
 class ExtractorConfigError(Refusal, ValueError):

@@ -8,9 +8,9 @@ pre-hook): files from both backends hold the same pre-norm state, and the drafte
 target head applies the norm once. A model with no recognisable final norm falls back
 to the post-norm entry, and its files say so. Logits are computed for one position only.
 
-Rows are sorted by length and packed under a padded-token budget, right-padded with an
-attention mask; under a causal mask a real position never attends to padding, so each
-row's states equal a batch-1 pass within dtype tolerance.
+Rows are sorted by length and packed under a padded-token budget, right-padded and passed
+with no attention mask: under causal attention a real position never attends to the padding
+after it, so each row's states equal a batch-1 pass within dtype tolerance.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, ExtractorConfigError
-from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.target import TargetModel
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.errors import Refusal
+from eagle3_assets.sample_file import (
     CHECK_RECORD_NAME,
     MANIFEST_NAME,
     READABLE_FORMATS,
@@ -25,6 +27,10 @@ from eagle3_assets.hidden_states.sample_file import (
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore, StoreError
 from eagle3_assets.tokenized import TokenizedSet
+
+
+class StaleShardKeyError(Refusal, ValueError):
+    """A registered shard key that the current tokenized set does not cover."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,11 @@ def check_shard(
     `model` / `last_hidden_state_norm` None: any value is accepted (the norm must still be a known one).
     """
     if shard.end > tokenized.num_rows:
-        raise ValueError(f"shard {shard.key} ends past the tokenized set of {tokenized.num_rows} rows")
+        raise StaleShardKeyError(
+            f"shard {shard.key} ends past the tokenized set of {tokenized.num_rows} rows: its key was registered for "
+            "an earlier tokenized set (another shard_size or prompt set); re-materialize tokenized, which registers "
+            "the current keys, and run the shards it lists"
+        )
     spec = SampleSpec(
         hidden_size=hidden_size,
         aux_layer_ids=tuple(aux_layer_ids),
@@ -190,29 +200,7 @@ def check_shard(
 
 
 def check_shards(
-    store: ArtifactStore,
-    tokenized: TokenizedSet,
-    shards: Sequence[Shard],
-    *,
-    hidden_size: int,
-    aux_layer_ids: Sequence[int],
-    dtype: str,
-    model: str | None = None,
-    last_hidden_state_norm: str | None = None,
-    require_manifest: bool = True,
+    store: ArtifactStore, tokenized: TokenizedSet, shards: Sequence[Shard], **spec: Any
 ) -> list[ShardCheckReport]:
-    """`check_shard` over each shard, in order; nothing is re-extracted."""
-    return [
-        check_shard(
-            store,
-            tokenized,
-            shard,
-            hidden_size=hidden_size,
-            aux_layer_ids=aux_layer_ids,
-            dtype=dtype,
-            model=model,
-            last_hidden_state_norm=last_hidden_state_norm,
-            require_manifest=require_manifest,
-        )
-        for shard in shards
-    ]
+    """`check_shard` over each shard, in order, with the same keyword arguments; nothing is re-extracted."""
+    return [check_shard(store, tokenized, shard, **spec) for shard in shards]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -36,7 +35,7 @@ from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.figures import duration
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
-from eagle3_assets.hidden_states.sample_file import (
+from eagle3_assets.sample_file import (
     FORMAT,
     MISSING,
     SampleSpec,
@@ -49,7 +48,7 @@ from eagle3_assets.hidden_states.sample_file import (
 )
 from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shards import Shard
-from eagle3_assets.storage import TMP_MARK, ArtifactStore, StoreError
+from eagle3_assets.storage import ArtifactStore, StoreError
 from eagle3_assets.tokenized import TokenizedSet
 
 log = logging.getLogger(__name__)
@@ -163,11 +162,9 @@ def check_rows_fit(tokenized: TokenizedSet, shard: Shard, max_context: int) -> N
 
 def check_writable(store: ArtifactStore, shard: Shard) -> None:
     """Write and remove a probe in the shard directory; StoreNotWritableError naming shard and path."""
-    probe = f"{shard_dir(shard.key)}/.write-probe{TMP_MARK}{uuid.uuid4().hex[:12]}"
     try:
-        store.write_bytes(probe, b"")
-        store.remove(probe)
-    except (StoreError, OSError) as e:
+        store.check_writable(shard_dir(shard.key))
+    except StoreError as e:
         raise StoreNotWritableError(
             f"shard {shard.key}: cannot write to {store.url_of(shard_dir(shard.key))}: {e}"
         ) from e

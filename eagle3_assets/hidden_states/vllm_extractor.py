@@ -19,7 +19,6 @@ written before stay valid, and the shard's sample-level resume skips them on the
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -31,7 +30,7 @@ from safetensors.torch import load as st_load
 
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, ExtractorConfigError, WrittenSample
-from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.target import TargetModel
 from eagle3_assets.vllm_server.client import (
@@ -42,6 +41,8 @@ from eagle3_assets.vllm_server.client import (
 )
 from eagle3_assets.vllm_server.protocol import (
     SERVER_INFO_FILE,
+    ServerPlan,
+    split_layers,
     SampleParams,
     mask_spans,
     raw_hidden_states_file,
@@ -82,9 +83,7 @@ def split_hidden_states(
             f"row {row}: hidden_states from {where} has shape {list(hs.shape)}, expected "
             f"{[T, len(layer_ids), H]} (layers {layer_ids}, hidden {H})"
         )
-    index = {layer: i for i, layer in enumerate(layer_ids)}
-    aux = hs[:, [index[i] for i in target.aux_layer_ids], :].reshape(T, len(target.aux_layer_ids) * H)  # [T, 3H]
-    return aux, hs[:, index[target.num_layers], :]  # [T, H], pre-norm
+    return split_layers(hs, layer_ids, target.aux_layer_ids, target.num_layers)  # [T, 3H], [T, H] pre-norm
 
 
 class VLLMExtractor:
@@ -143,7 +142,7 @@ class VLLMExtractor:
         info_path = Path(path).parent / SERVER_INFO_FILE
         try:
             with raw_hidden_states_file(path):
-                info = json.loads(info_path.read_text())
+                plan = ServerPlan.read(info_path.parent)
         except (OSError, ValueError) as e:
             raise ExtractorConfigError(
                 f"the vLLM server at {self.url} writes hidden states to {Path(path).parent}, but its layer ids "
@@ -152,10 +151,10 @@ class VLLMExtractor:
                 "`python -m eagle3_assets.vllm_server --serve --role extract`, which records them"
             ) from None
         want = self.target.extraction_layer_ids
-        if info.get("layer_ids") != want or info.get("hidden_size") != self.hidden_size:
+        if plan.layer_ids != want or plan.hidden_size != self.hidden_size:
             raise ExtractorConfigError(
-                f"aux_layer_ids: the vLLM server at {self.url} extracts layers {info.get('layer_ids')} of a model "
-                f"with hidden size {info.get('hidden_size')} ({info.get('model')}); this run needs layers "
+                f"aux_layer_ids: the vLLM server at {self.url} extracts layers {plan.layer_ids} of a model "
+                f"with hidden size {plan.hidden_size} ({plan.model}); this run needs layers "
                 f"{want} (aux {list(self.aux_layer_ids)} + final {self.num_layers}), hidden size "
                 f"{self.hidden_size}: restart the server with the pipeline's settings"
             )

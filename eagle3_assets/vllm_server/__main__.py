@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from eagle3_assets.settings import Settings
     from eagle3_assets.target import TargetModel
-    from eagle3_assets.vllm_server.command import Role
+    from eagle3_assets.vllm_server.protocol import Role
 
 
 def serve_forever(
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return supervise(int(argv[1]), argv[3:])
 
-    from eagle3_assets.vllm_server.command import ROLES
+    from eagle3_assets.vllm_server.protocol import ROLES
 
     parser = argparse.ArgumentParser(
         prog="python -m eagle3_assets.vllm_server",

@@ -6,22 +6,20 @@ KV connector (`connector.py`). `both` has both flag sets: it generates correctly
 but every request then also writes hidden states (which the generator deletes) and the
 hidden-state cache takes KV-cache memory, so a phase = one server is the recommended
 setup. An `extract` server records what it extracts in `<storage dir>/eagle3_server.json`
-(`ServerPlan`), so a client can check the layer ids before it writes any shard.
+(`protocol.ServerPlan`), so a client can check the layer ids before it writes any shard.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.target import TargetModel
+from eagle3_assets.vllm_server.protocol import ServerPlan
 
-Role = Literal["generate", "extract", "both"]
-ROLES: tuple[str, ...] = ("generate", "extract", "both")
 CONNECTOR_MODULE = "eagle3_assets.vllm_server.connector"
 CONNECTOR_CLASS = "SampleFileConnector"
 
@@ -47,35 +45,6 @@ def kv_transfer_config(storage_dir: str | Path, write_roots: Sequence[str | Path
             "write_roots": [str(r) for r in write_roots],
         },
     }
-
-
-@dataclass(frozen=True)
-class ServerPlan:
-    """What a server for a target extracts; written as `eagle3_server.json` in its storage dir."""
-
-    role: str
-    model: str
-    num_layers: int
-    hidden_size: int
-    aux_layer_ids: list[int]
-    layer_ids: list[int]  # what an extract server writes, in file order; [] for generate
-
-    @classmethod
-    def for_target(cls, target: TargetModel, role: Role) -> ServerPlan:
-        if role not in ROLES:
-            raise ValueError(f"role {role!r} is not one of {ROLES}")
-        extracts = role in ("extract", "both")
-        return cls(
-            role,
-            str(target.path),
-            target.num_layers,
-            target.hidden_size,
-            list(target.aux_layer_ids) if extracts else [],
-            target.extraction_layer_ids if extracts else [],
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(vars(self))
 
 
 def serve_args(

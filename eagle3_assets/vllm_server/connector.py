@@ -40,8 +40,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from eagle3_assets.hidden_states.sample_file import HIDDEN_NAMES, encode_hidden, sample_buffers, tensor_problem, write_sample_file
-from eagle3_assets.vllm_server.protocol import SampleParams, is_under, lock_path, mask_from_spans, temporary_path
+from eagle3_assets.sample_file import HIDDEN_NAMES, encode_hidden, sample_buffers, tensor_problem, write_sample_file
+from eagle3_assets.vllm_server.protocol import (
+    SampleParams,
+    is_under,
+    lock_path,
+    mask_from_spans,
+    split_layers,
+    temporary_path,
+)
 
 logger = init_logger(__name__)
 
@@ -142,10 +149,7 @@ class SampleFileConnector(ExampleHiddenStatesConnector):
 
     def _split(self, states: torch.Tensor, sample: SampleParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [T, 3H], last [T, H]) of the cached [T, L, H] states."""
-        index = {layer: i for i, layer in enumerate(self._layer_ids)}
-        T = states.shape[0]
-        aux = states[:, [index[i] for i in sample.spec.aux_layer_ids], :].reshape(T, -1)
-        return aux, states[:, index[self._layer_ids[-1]], :]
+        return split_layers(states, self._layer_ids, sample.spec.aux_layer_ids, self._layer_ids[-1])
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:

@@ -4,7 +4,7 @@ One `/v1/completions` request per row; the connector (`connector.py`, inside the
 server) writes the row's hidden states to a file and the answer names it in
 `kv_transfer_params.hidden_states_path`. Two kinds of file:
 
-- a sample file, in our format (`hidden_states/sample_file.py`), written straight into
+- a sample file, in our format (`sample_file.py`), written straight into
   the shard directory of a store the server can see, when the request carries
   `kv_transfer_params = sample_params(...)`: one write per sample;
 - otherwise vLLM's raw file in the server's own storage directory (`hidden_states`
@@ -22,20 +22,78 @@ No vLLM import here: both sides use this module.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from eagle3_assets.hidden_states.sample_file import SampleSpec
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.storage import TMP_MARK
 
+if TYPE_CHECKING:
+    import torch
+
+    from eagle3_assets.target import TargetModel
+
 SERVER_INFO_FILE = "eagle3_server.json"  # in the storage dir, next to the raw hidden-state files
+Role = Literal["generate", "extract", "both"]
+ROLES: tuple[str, ...] = ("generate", "extract", "both")
 PARAMS_KEY = "eagle3_sample"  # our part of a request's kv_transfer_params
+
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What a server for a target extracts: written by the server as `SERVER_INFO_FILE` in its storage
+    dir, read back by the extractor to check the layer ids before it writes any shard."""
+
+    role: str
+    model: str
+    num_layers: int
+    hidden_size: int
+    aux_layer_ids: list[int]
+    layer_ids: list[int]  # what an extract server writes, in file order; [] for generate
+
+    @classmethod
+    def for_target(cls, target: TargetModel, role: Role) -> ServerPlan:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
+        extracts = role in ("extract", "both")
+        return cls(
+            role,
+            str(target.path),
+            target.num_layers,
+            target.hidden_size,
+            list(target.aux_layer_ids) if extracts else [],
+            target.extraction_layer_ids if extracts else [],
+        )
+
+    def write(self, storage_dir: Path) -> None:
+        (storage_dir / SERVER_INFO_FILE).write_text(json.dumps(vars(self), indent=1))
+
+    @classmethod
+    def read(cls, storage_dir: Path) -> ServerPlan:
+        """OSError when the file cannot be read, ValueError when it is not a plan."""
+        data = json.loads((storage_dir / SERVER_INFO_FILE).read_text())
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"not a server plan: {e}") from None
+
+
+
+def split_layers(
+    states: torch.Tensor, layer_ids: Sequence[int], aux_layer_ids: Sequence[int], last_layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, len(aux) x H], last [T, H]) of vLLM's [T, L, H] states, whose layers are `layer_ids` in order."""
+    index = {layer: i for i, layer in enumerate(layer_ids)}
+    aux = states[:, [index[i] for i in aux_layer_ids], :].reshape(states.shape[0], -1)
+    return aux, states[:, index[last_layer], :]
 
 
 def lock_path(path: str | Path) -> str:

@@ -18,7 +18,6 @@ run must not leave a GPU server behind.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -39,8 +38,8 @@ from eagle3_assets.vllm_server.client import (
     port_in_use,
     served_model,
 )
-from eagle3_assets.vllm_server.command import Role, ServerPlan, serve_args
-from eagle3_assets.vllm_server.protocol import SERVER_INFO_FILE
+from eagle3_assets.vllm_server.command import serve_args
+from eagle3_assets.vllm_server.protocol import Role, ServerPlan
 
 SERVER_LOG_FILE = "server.log"
 STORAGE_SUBDIR = "hidden_states"
@@ -104,7 +103,7 @@ class VllmServer:
         storage = wd / STORAGE_SUBDIR
         storage.mkdir(parents=True, exist_ok=True)
         _remove_request_files(storage)
-        (storage / SERVER_INFO_FILE).write_text(json.dumps(plan.to_json(), indent=1))
+        plan.write(storage)
         args = serve_args(target, vllm, plan, host=host, port=port, storage_dir=storage, write_roots=write_roots)
         cmd = [
             sys.executable, "-m", "eagle3_assets.vllm_server", "--supervise", str(os.getpid()), "--",
@@ -200,9 +199,10 @@ class VllmServer:
         while time.monotonic() < deadline:
             rc = self.process.poll()
             if rc is not None:
+                tail = self.log_tail()
                 raise VllmServerError(
                     f"the vLLM server for {self.plan.model if self.plan else '?'} at {self.url} exited with code "
-                    f"{rc} before it was ready; log {self.log_path}, last lines:\n{self.log_tail()}"
+                    f"{rc} before it was ready{memory_hint(tail)}; log {self.log_path}, last lines:\n{tail}"
                 )
             if self.is_healthy(2.0):
                 return
@@ -233,6 +233,16 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def memory_hint(log: str) -> str:
+    """The setting to change when the CPU build could not reserve its KV cache, '' for other failures."""
+    if "CPU memory utilization" not in log and "VLLM_CPU_KVCACHE_SPACE" not in log:
+        return ""
+    return (
+        ": the CPU build could not reserve its KV cache (by default most of the machine's RAM); "
+        "set vllm.cpu_kv_cache_gib (e.g. 4) to bound it"
+    )
 
 
 def cpu_env(vllm: VllmSettings) -> dict[str, str]:

@@ -17,15 +17,15 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.defs.failures import failures
+from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import sync_shard_partitions
 from eagle3_assets.generation import open_generator
-from eagle3_assets.hidden_states.sample_file import SampleSpec
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
-from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, dump_prompts, parse_prompts
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, decode_prompts, dump_prompts, parse_prompts
 from eagle3_assets.reasoning import detect_format
-from eagle3_assets.responses import RESPONSES_FILE, Renderer, generate_responses, read_responses
+from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
+from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
@@ -53,11 +53,14 @@ def _demo_prompt_texts(project: Project) -> tuple[str, str]:
 
 def _read_source(path: str, setting: str) -> str:
     try:
-        # utf-8-sig: a byte-order mark at the start (Windows editors write one) is not part of line 1.
-        with fsspec.open(path, "r", encoding="utf-8-sig") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
+        with fsspec.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError as e:
+        raise refusal(f"{setting}: cannot read {path}: {e}") from None
+    except OSError as e:  # a network error may pass
         raise Failure(f"{setting}: cannot read {path}: {e}") from None
+    with failures():
+        return decode_prompts(data, path)
 
 
 @asset(group_name=GROUP, kinds={"jsonl"})
@@ -73,9 +76,9 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
     with failures():
         rows = parse_prompts(text, source)
         eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
-    nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
-    if eval_rows:
-        store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
+        nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
+        if eval_rows:
+            store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
     preview = "\n".join(f"- `{p.id}`: {p.messages[-1]['content'][:120]}" for p in rows[:5])
     return MaterializeResult(
         metadata={
@@ -141,6 +144,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
     """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
     store, settings = project.store, project.settings
     with failures():
+        store.check_writable(PARTS_DIR)  # before the model loads: on a large target that takes minutes
         rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
         target = project.target()
         tokenizer = load_tokenizer(target)

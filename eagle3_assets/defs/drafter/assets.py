@@ -15,9 +15,9 @@ from dagster import (
 )
 
 from eagle3_assets.defs.data.assets import target_model, vocab_map
-from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
-from eagle3_assets.defs.failures import failures
 from eagle3_assets.defs.drafter.launch import train_with_torchrun
+from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
+from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.ops.runs import GPU_POOL, TRAINER_POOL
 from eagle3_assets.defs.partitions import registered_shard_keys
@@ -25,8 +25,8 @@ from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.hidden_states.sample_file import manifest_path
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import TrainingSettings
 
 GROUP = "drafter"
@@ -69,19 +69,16 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
         store = project.store
         keys = registered_shard_keys(context.instance)
         if not keys:
-            raise Failure("no hidden-state shards are registered: materialize `tokenized` first", allow_retries=False)
+            raise refusal("no hidden-state shards are registered: materialize `tokenized` first")
         reporter: WindowReporter | None = None
         if rolling:
-            if (refusal := rolling_refusal(store, keys)) is not None:
-                raise refusal
+            if (refused := rolling_refusal(store, keys)) is not None:
+                raise refused
             reporter = WindowReporter(context, store, keys, training.window_shards)
             reporter.poll(force=True)
         elif bad := unusable_shards(context.instance, project, keys):
             listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
-            raise Failure(
-                f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})",
-                allow_retries=False,
-            )
+            raise refusal(f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})")
 
         with failures():
             try:

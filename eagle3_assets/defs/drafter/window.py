@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from dagster import AssetExecutionContext, AssetObservation, Failure
 
+from eagle3_assets.defs.failures import refusal
+
 from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.shard_window import check_verdict, read_consumed, window_status
@@ -65,9 +67,8 @@ def rolling_refusal(store: ArtifactStore, keys: Sequence[str]) -> Failure | None
     upcoming = next((k for k in keys if k not in consumed), None)
     if upcoming is None or check_verdict(store, upcoming) != "failed":
         return None
-    return Failure(
+    return refusal(
         f"drafter refuses to train: shard {upcoming}, the next in training order, failed its integrity check, and "
         "rolling training never skips a shard. Repair it (`verify_shards` names the bad files; materialize the "
-        "shard again), then materialize `drafter`",
-        allow_retries=False,
+        "shard again), then materialize `drafter`"
     )

@@ -12,7 +12,11 @@ pool slot, whether the run came from the CLI, the UI or the daemon. It
    shard at once), and sets the limit to the number of vLLM extraction servers when
    several are configured;
 4. names the runs holding the pool when its slots are all taken, so a blocked step
-   says whom it waits for.
+   says whom it waits for;
+5. tags a run `dagster/max_retries: 0` when a step is refused (`failures.refusal`) or the run
+   is stopped by Ctrl-C or SIGTERM (a person, or the cluster, stopped it on purpose): the
+   instance's `run_retries` must not start it again. Dagster decides when it stores the run's
+   failure, from the run's tags, so the tag goes on first.
 `execute_in_process` (tests, `make demo`) does not use the job's executor: `make demo`
 sweeps itself.
 """
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dagster import DagsterEvent, ExecutorDefinition, Failure
+from dagster import DagsterEvent, ExecutorDefinition
+from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.events import EngineEventData
 from dagster._core.executor.base import Executor
+from dagster._core.storage.tags import MAX_RETRIES_TAG
 
+from eagle3_assets.defs.failures import REFUSAL, refusal
 from eagle3_assets.defs.ops.runs import GPU_POOL, pool_holders, pool_limit, record_run_process, sweep_dead_runs
 from eagle3_assets.settings import Settings
 
@@ -50,7 +57,14 @@ class RunStartSweep(Executor):
         gpu_steps = [s.key for s in execution_plan.get_all_steps_in_topo_order() if s.pool == GPU_POOL]
         if gpu_steps:
             yield from self._check_gpu_pool(plan_context, instance, gpu_steps)
-        yield from self.inner.execute(plan_context, execution_plan)
+        try:
+            for event in self.inner.execute(plan_context, execution_plan):
+                if _is_refusal(event):
+                    _never_relaunch(instance, plan_context.run_id)
+                yield event
+        except (KeyboardInterrupt, DagsterExecutionInterruptedError):
+            _never_relaunch(instance, plan_context.run_id)
+            raise
 
     def _check_gpu_pool(self, plan_context, instance, gpu_steps: list[str]) -> Iterator[DagsterEvent]:  # noqa: ANN001
         servers = self.settings.vllm.server_urls
@@ -61,11 +75,11 @@ class RunStartSweep(Executor):
             )
         limit = pool_limit(instance)
         if limit is None:
-            raise Failure(
+            _never_relaunch(instance, plan_context.run_id)
+            raise refusal(
                 f"steps {gpu_steps} use the {GPU_POOL} pool, but this instance has no limit for it, so two runs could "
                 "extract one shard at once: copy the repo's dagster.yaml into $DAGSTER_HOME (`make install` does), "
-                f"or run `dagster instance concurrency set {GPU_POOL} 1`",
-                allow_retries=False,
+                f"or run `dagster instance concurrency set {GPU_POOL} 1`"
             )
         holders = pool_holders(instance)
         if len(holders) >= limit:
@@ -75,6 +89,16 @@ class RunStartSweep(Executor):
                 + ": this run's GPU steps wait until a slot is free",
                 EngineEventData(),
             )
+
+
+def _is_refusal(event: DagsterEvent) -> bool:
+    failure = event.step_failure_data.user_failure_data if event.is_step_failure else None
+    marker = failure.metadata.get(REFUSAL) if failure is not None else None
+    return marker is not None and marker.value is True
+
+
+def _never_relaunch(instance, run_id: str) -> None:  # noqa: ANN001 - DagsterInstance
+    instance.add_run_tags(run_id, {MAX_RETRIES_TAG: "0"})
 
 
 def with_run_start_sweep(inner: ExecutorDefinition, settings: Settings) -> ExecutorDefinition:

@@ -9,6 +9,10 @@ process is gone and frees its slots, and frees slots still held by runs that alr
 finished (a force-terminated run). It runs when any run starts (`executor.py`), in the
 `dead_runs` sensor every minute under the daemon, and at the start of `make demo`.
 
+The tags also name the run they were recorded for: a retry or a re-execution is created
+with a copy of its parent's tags, the parent's (dead) pid among them, and must not be
+judged by it before it records its own process.
+
 A pid means something only on the machine that recorded it: runs of other machines are
 left to their own machine's sweep (or to run monitoring, on Kubernetes).
 """
@@ -25,27 +29,30 @@ from eagle3_assets.processes import machine_id, process_alive, process_started_a
 PID_TAG = "eagle3/pid"
 STALL_TAG = "eagle3/stall"  # "stalled" or "process_gone": the alert for it was sent
 PID_STARTED_TAG = "eagle3/pid_started"  # epoch seconds: tells a reused pid from the recorded process
+PID_RUN_TAG = "eagle3/pid_run"  # the run whose process the pid is: a copy on a retried run names its parent
+ALERTED_TAG = "eagle3/alerted_by"  # the sensor that alerted on this run's death: `run_failure_alert` need not
 MACHINE_TAG = "eagle3/machine"
 GPU_POOL = "gpu"
 TRAINER_POOL = "trainer"  # rolling training, which runs beside extraction (defs/drafter/assets.py)
 LIVE = (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING)
 
 
-def process_tags(pid: int | None = None) -> dict[str, str]:
-    """The tags that name the process orchestrating a run (this one by default)."""
+def process_tags(run_id: str, pid: int | None = None) -> dict[str, str]:
+    """The tags that name the process orchestrating run `run_id` (this process by default)."""
     pid = os.getpid() if pid is None else pid
     started = process_started_at(pid)
-    return {PID_TAG: str(pid), PID_STARTED_TAG: f"{started or 0:.0f}", MACHINE_TAG: machine_id()}
+    return {PID_TAG: str(pid), PID_STARTED_TAG: f"{started or 0:.0f}", MACHINE_TAG: machine_id(), PID_RUN_TAG: run_id}
 
 
 def record_run_process(instance: DagsterInstance, run_id: str) -> None:
-    instance.add_run_tags(run_id, process_tags())
+    instance.add_run_tags(run_id, process_tags(run_id))
 
 
 def process_gone(run: DagsterRun) -> bool | None:
-    """True when the run's recorded process is gone; None when it cannot be told here (no tags, other machine)."""
+    """True when the run's recorded process is gone; None when it cannot be told here (no tags, tags
+    copied from the run it retries, other machine)."""
     tags = run.tags
-    if PID_TAG not in tags or tags.get(MACHINE_TAG) != machine_id():
+    if PID_TAG not in tags or tags.get(PID_RUN_TAG) != run.run_id or tags.get(MACHINE_TAG) != machine_id():
         return None
     started = float(tags.get(PID_STARTED_TAG) or 0) or None
     return not process_alive(int(tags[PID_TAG]), started_by=started)
@@ -91,9 +98,12 @@ def pool_limit(instance: DagsterInstance, pool: str = GPU_POOL) -> int | None:
     return instance.event_log_storage.get_concurrency_info(pool).limit
 
 
-def sweep_dead_runs(instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_POOL, TRAINER_POOL)) -> list[str]:
+def sweep_dead_runs(
+    instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_POOL, TRAINER_POOL), alerted_by: str | None = None
+) -> list[str]:
     """Fail every live-looking run of this machine whose process is gone and free its slots; free slots
-    of finished runs. Returns one line per run it acted on."""
+    of finished runs. Returns one line per run it acted on. `alerted_by`: the sensor that alerts on
+    these lines itself; without it (the sweep at run start) `run_failure_alert` sends the alert."""
     acted: list[str] = []
     for run in instance.get_runs(RunsFilter(statuses=list(LIVE))):
         if process_gone(run):
@@ -101,7 +111,8 @@ def sweep_dead_runs(instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_
                 f"run {run.run_id} ({_what(run)}): its process (pid {run.tags[PID_TAG]}) is gone; "
                 "marked failed and its pool slots freed"
             )
-            instance.add_run_tags(run.run_id, {STALL_TAG: "process_gone"})
+            tags = {STALL_TAG: "process_gone"} | ({ALERTED_TAG: alerted_by} if alerted_by else {})
+            instance.add_run_tags(run.run_id, tags)
             instance.report_run_failed(run, message)
             instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
             acted.append(message)

@@ -1,6 +1,7 @@
 """`dead_runs`: runs of any job whose process is gone, and pool slots held by finished runs.
 `shard_stall`: running shard runs that stopped reporting progress, or whose process is gone.
-`run_failure_alert`: every failed run. All log and, when a webhook is configured, post.
+`run_failure_alert`: every failed run of the instance, launched from the UI, the CLI or
+automation. All log and, when a webhook is configured, post.
 
 A stalled run is marked (run tags and an event in its log, both visible in the UI) and
 left running: it may be in a slow model load. A run whose process is gone is marked
@@ -39,7 +40,7 @@ from eagle3_assets.alerts import (
     run_failure_alert,
     stall_alert,
 )
-from eagle3_assets.defs.ops.runs import PID_TAG, STALL_TAG, process_gone, sweep_dead_runs
+from eagle3_assets.defs.ops.runs import ALERTED_TAG, PID_TAG, STALL_TAG, process_gone, sweep_dead_runs
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.processes import process_alive
 from eagle3_assets.project import Project
@@ -149,7 +150,7 @@ def _handle(context: SensorEvaluationContext, project: Project, run: DagsterRun,
         current = instance.get_run_by_id(run.run_id)
         if current is None or current.status not in WATCHED:
             return False
-        instance.add_run_tags(run.run_id, {STALL_TAG: "process_gone"})
+        instance.add_run_tags(run.run_id, {STALL_TAG: "process_gone", ALERTED_TAG: "shard_stall"})
         instance.report_run_failed(current, message)
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         context.log.error(message)
@@ -198,7 +199,7 @@ shard_stall_sensor = build_shard_stall_sensor()
     description="Fails runs whose process is gone and frees the pool slots they, or finished runs, still hold.",
 )
 def dead_runs_sensor(context: SensorEvaluationContext, project: ResourceParam[Project]) -> SkipReason:
-    acted = sweep_dead_runs(context.instance)
+    acted = sweep_dead_runs(context.instance, alerted_by="dead_runs")
     for line in acted:
         context.log.error(line)
         _send(context, project, Alert("run_process_gone", line))
@@ -230,12 +231,15 @@ def _failure_text(context: RunFailureSensorContext) -> str:
     name="run_failure_alert",
     default_status=DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=30,
+    # Runs of `dagster asset materialize` and `make demo` belong to no code location of the
+    # workspace: a sensor watching its own location would never see them.
+    monitor_all_code_locations=True,
     description="Logs every failed run with its error, and posts it to the alert webhook when one is configured.",
 )
 def run_failure_alert_sensor(context: RunFailureSensorContext, project: ResourceParam[Project]) -> None:
     run = context.dagster_run
-    if run.tags.get(STALL_TAG) == "process_gone":
-        return  # `shard_stall` failed this run and alerted already
+    if ALERTED_TAG in run.tags:
+        return  # `shard_stall` or `dead_runs` failed this run and alerted already
     alert = run_failure_alert(
         run.run_id, run.job_name, run.tags.get(PARTITION_TAG), _failure_text(context), os.environ.get(UI_URL_ENV)
     )

@@ -7,7 +7,6 @@ from dagster import (
     AssetKey,
     AssetsDefinition,
     Backoff,
-    Failure,
     MaterializeResult,
     ResourceParam,
     RetryPolicy,
@@ -15,14 +14,14 @@ from dagster import (
 )
 
 from eagle3_assets.defs.data.assets import target_model, tokenized
-from eagle3_assets.defs.failures import failures
+from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
 from eagle3_assets.defs.shards.leases import server_lease
 from eagle3_assets.hidden_states import open_extractor
-from eagle3_assets.hidden_states.sample_file import SampleSpec, shard_dir
 from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import SampleSpec, shard_dir
 from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shard_window import Window
 from eagle3_assets.shards import Shard
@@ -52,8 +51,8 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
         store, settings = project.store, project.settings
         if settings.training.mode == "rolling":
             window = Window.read(store, registered_shard_keys(context.instance), settings.training.window_shards)
-            if (refusal := window.refusal(shard.key)) is not None:
-                raise Failure(refusal, allow_retries=False)
+            if (refused := window.refusal(shard.key)) is not None:
+                raise refusal(refused)
         final: dict[str, float | int] = {}
 
         def on_progress(progress: ExtractionProgress) -> None:

@@ -14,7 +14,6 @@ from dagster import (
     AssetCheckExecutionContext,
     AssetCheckResult,
     AssetCheckSeverity,
-    Failure,
     MetadataValue,
     OpExecutionContext,
     Output,
@@ -24,7 +23,7 @@ from dagster import (
     op,
 )
 
-from eagle3_assets.defs.failures import failures
+from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.hidden_states.integrity import ShardCheckReport, check_shards
@@ -124,10 +123,9 @@ def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Projec
     for report in bad:
         context.log.error(report.summary())
     if bad:
-        raise Failure(
+        raise refusal(
             f"{len(bad)} of {len(reports)} shards failed the integrity check: {[r.shard for r in bad]}",
             metadata={"bad_files": MetadataValue.md(_problems_md(bad))},
-            allow_retries=False,
         )
     yield Output(None, metadata={"shards": len(reports), "rows": rows, "released": len(consumed)})
 

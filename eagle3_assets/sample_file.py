@@ -37,6 +37,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from eagle3_assets.storage_dtypes import STORAGE_DTYPE_NAMES
+
 FORMAT = "eagle3-hidden-states/2"
 READABLE_FORMATS = ("eagle3-hidden-states/1", FORMAT)
 HIDDEN_STATES_DIR = "hidden_states"
@@ -48,12 +50,7 @@ MISSING = "missing"
 NormConvention = Literal["post_norm", "pre_norm"]
 NORM_CONVENTIONS: tuple[str, ...] = ("post_norm", "pre_norm")
 
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+STORAGE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 SCALED_DTYPES = ("float8_e4m3fn",)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # How safetensors headers name the dtypes.
@@ -130,11 +127,6 @@ class SampleSpec:
     def bytes_per_token(self) -> int:
         """Everything stored per token: the hidden states plus its input id (int32) and loss mask (uint8)."""
         return self.hidden_bytes_per_token + 4 + 1
-
-    @property
-    def minimum_bytes_per_token(self) -> int:
-        """The figure bytes are reported against (docs/DESIGN.md §4): 4 x H x 2, the bf16 hidden states."""
-        return 4 * self.hidden_size * 2
 
     def file_overhead(self, length: int = 1) -> int:
         """Bytes of a `length`-token file beyond its per-token bytes (the safetensors header, whose
