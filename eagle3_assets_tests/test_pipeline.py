@@ -99,8 +99,10 @@ def test_one_shard_materializes_and_passes_its_check(pipeline):
     result = run(defs, instance, ["hidden_states"], "rows_40-45")
     assert result.success
     assert project.store.listdir("hidden_states/rows_40-45") == [
-        "40.safetensors", "41.safetensors", "42.safetensors", "43.safetensors", "44.safetensors", "_SUCCESS.json"
-    ]
+        "40.safetensors", "41.safetensors", "42.safetensors", "43.safetensors", "44.safetensors", "_CHECK.json",
+        "_SUCCESS.json",
+    ]  # the check's verdict is recorded beside the manifest it judged (shard_window.py)
+    assert project.store.read_json("hidden_states/rows_40-45/_CHECK.json")["passed"] is True
     checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
     assert [(c.event_specific_data.check_name, c.event_specific_data.passed) for c in checks] == [
         ("shard_integrity", True)
