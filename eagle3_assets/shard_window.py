@@ -22,6 +22,7 @@ any two steps leaves a state the trainer's next run completes (`Window.reconcile
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -49,12 +50,13 @@ def write_check_record(store: ArtifactStore, key: str, *, passed: bool, problems
     )
 
 
-def check_verdict(store: ArtifactStore, key: str) -> Verdict:
-    """The recorded verdict on the shard's current manifest; `unchecked` when there is none for it."""
+def check_verdict(store: ArtifactStore, key: str, manifest_digest: str | None = None) -> Verdict:
+    """The recorded verdict on the shard's current manifest; `unchecked` when there is none for it.
+    `manifest_digest`: the manifest's sha256 when the caller has read it already."""
     if not store.exists(check_record_path(key)):
         return "unchecked"
     record = store.read_json(check_record_path(key))
-    digest = _manifest_digest(store, key)
+    digest = manifest_digest or _manifest_digest(store, key)
     if digest is None or record.get("manifest_sha256") != digest:
         return "unchecked"
     return "passed" if record.get("passed") else "failed"
@@ -167,7 +169,6 @@ class Window:
         return None
 
 
-
 ShardState = Literal["missing", "extracted", "check failed", "checked", "consumed", "released"]
 
 
@@ -206,15 +207,17 @@ def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> Windo
     states: dict[str, ShardState] = {}
     manifests: dict[str, dict] = {}
     for key in keys:
+        # One read of each manifest: its figures and the digest its check record must match.
+        raw = store.read_bytes(manifest_path(key)) if store.exists(manifest_path(key)) else None
+        if raw is not None:
+            manifests[key] = json.loads(raw)
         if key in consumed:
             states[key] = "released" if consumed[key].released else "consumed"
-        elif not store.exists(manifest_path(key)):
+        elif raw is None:
             states[key] = "missing"
         else:
-            verdict = check_verdict(store, key)
+            verdict = check_verdict(store, key, hashlib.sha256(raw).hexdigest())
             states[key] = {"passed": "checked", "failed": "check failed", "unchecked": "extracted"}[verdict]
-        if store.exists(manifest_path(key)):
-            manifests[key] = store.read_json(manifest_path(key))
     sizes = [int(m.get("bytes", 0)) for m in manifests.values()]
     on_disk = sum(int(manifests[k].get("bytes", 0)) for k, st in states.items() if st != "released" and k in manifests)
     extracted_at = [datetime.fromisoformat(m["created"]) for m in manifests.values() if "created" in m]

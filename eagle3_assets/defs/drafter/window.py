@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dagster import AssetExecutionContext, AssetObservation, Failure
 
 from eagle3_assets.defs.failures import refusal
-
 from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.shard_window import check_verdict, read_consumed, window_status
