@@ -33,8 +33,9 @@ What it does
    (`benchmarks/peer/speculators_cpu.py`, a CPU wrapper around its own trainer), with the
    same lr, warmup, cosine schedule, TTT steps, step weight (speculators'
    `ttt_step_loss_decay`), seed, AdamW and weight decay, and a packed token budget per step
-   equal to the real (unpadded) tokens per step our run averaged (`--spec-total-seq-len
-   match`), so both see about the same tokens per step. Everything else is speculators'
+   equal to the real (unpadded) tokens per step our run averages (`--spec-total-seq-len
+   match`: read off our batch plan before either trains), so both see about the same tokens
+   per step; `--concurrent` trains it beside ours, one core each. Everything else is speculators'
    default recipe (norm_before_fc / norm_output / norm_before_residual, KL loss, frozen
    lm_head, grad clip 1.0, AdamW betas (0.9, 0.999)).
 4. Equal CPU-seconds (method): the CPU time speculators spent on its `--steps` training
@@ -43,7 +44,11 @@ What it does
    everything else), exported, and served like the others.
    The equal-CPU ratio is that run's acceptance over speculators' `--steps` run. (Not the
    other way round: speculators is the slower one per step, so cutting it down to our CPU
-   budget would compare a few dozen of its steps with our full run.) `--no-equal-cpu` skips it.
+   budget would compare a few dozen of its steps with our full run.) `--equal-cpu speculators`
+   goes that other way when training time is short: speculators again, from scratch, for the
+   steps our run's CPU-seconds buy at its CPU per step so far (read from its running log when
+   ours is done; with `--concurrent` on the core ours freed); the report gives both CPU totals.
+   `--equal-cpu none` skips it.
 5. Serves every drafter with the same script (`drafter_runs.serve`: one vLLM interpreter):
    the held-out eval prompts, greedy, plain and with each drafter at k=3 and k=7, and with
    vLLM's `ngram` speculative method at the same k (`prompt_lookup_min`/`max` =
@@ -67,10 +72,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,8 +86,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(PEER_DIR))
 
 from convert_shards import convert  # noqa: E402
+from speculators_cpu import STEP_LINE  # noqa: E402
 from drafter_runs import KS, demo_store, log, serve, shard_keys, steady, train  # noqa: E402
 
+from eagle3_assets.drafter.data import index_samples, plan_epoch, split_heldout  # noqa: E402
 from eagle3_assets.project import Project  # noqa: E402
 from eagle3_assets.prompts import parse_prompts  # noqa: E402
 from eagle3_assets.settings import (  # noqa: E402
@@ -107,17 +116,19 @@ def ensure_peer_venv() -> Path:
     return py
 
 
-def train_speculators(py: Path, data_dir: Path, target_dir: Path, out: Path, args, total_seq_len: int) -> dict:
+def train_speculators(
+    py: Path, data_dir: Path, target_dir: Path, out: Path, args, total_seq_len: int, steps: int
+) -> dict:
     cmd = [
         str(py), str(WRAPPER), "--data", str(data_dir), "--target", str(target_dir), "--out", str(out),
-        "--steps", str(args.steps), "--lr", repr(args.lr), "--warmup-steps", str(args.warmup_steps),
+        "--steps", str(steps), "--lr", repr(args.lr), "--warmup-steps", str(args.warmup_steps),
         "--ttt-steps", str(args.ttt_steps), "--step-weight", repr(args.step_weight),
         "--total-seq-len", str(total_seq_len), "--optimizer", args.spec_optimizer,
         "--weight-decay", repr(args.weight_decay), "--attn-impl", args.spec_attn_impl,
         "--dtype", args.spec_dtype, "--seed", str(args.seed), "--threads", str(args.threads),
     ]  # fmt: skip
     log_path = out.parent / f"{out.name}.log"
-    log(f"speculators: training {args.steps} steps in the peer venv (log {log_path})")
+    log(f"speculators: training {steps} steps in the peer venv (log {log_path})")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env.pop("PYTHONPATH", None)  # nothing of ours in the peer's interpreter
     with open(log_path, "w") as f:
@@ -130,6 +141,50 @@ def train_speculators(py: Path, data_dir: Path, target_dir: Path, out: Path, arg
     r["cpu_s_per_step_mean"] = steady(r["cpu_s_per_step"])  # same statistic as ours: first step excluded
     r["log"] = str(log_path)
     return r
+
+
+def cpu_per_step_so_far(log_path: Path) -> float:
+    """Speculators' mean CPU seconds per step so far (first step excluded), from a running wrapper's log."""
+    steps = [float(line.split()[-1]) for line in log_path.read_text().splitlines() if line.startswith(STEP_LINE)]
+    if len(steps) < 2:
+        raise RuntimeError(f"{log_path}: fewer than 2 speculators steps logged; cannot plan an equal-CPU run yet")
+    return steady(steps)
+
+
+def spec_curve(train_metrics: list[dict], points: int = 10) -> list[tuple[int, float]]:
+    """Speculators' logged training accuracy of the first draft position (`full_acc_0`) at `points` even
+    fractions of its run: (last step, mean over that slice), the statistic of ours' `Trained.curve`."""
+    logged = [(int(m["step"]), float(m["full_acc_0"])) for m in train_metrics if "full_acc_0" in m and m.get("step") is not None]
+    cuts = sorted({round(len(logged) * i / points) for i in range(points + 1)})
+    return [
+        (logged[hi - 1][0], statistics.fmean(acc for _, acc in logged[lo:hi]))
+        for lo, hi in zip(cuts, cuts[1:], strict=False)
+        if hi > lo
+    ]
+
+
+def spec_report(spec: dict) -> dict:
+    """The wrapper's result for the report: per-step lists folded into means and the learning curve."""
+    return {k: v for k, v in spec.items() if k not in ("cpu_s_per_step", "train_metrics")} | {
+        "cpu_s_per_step": spec["cpu_s_per_step_mean"],
+        "tokens_per_step": spec["tokens_per_step_mean"] or 0.0,
+        "curve": spec_curve(spec.get("train_metrics", [])),
+    }
+
+
+def planned_tokens_per_step(store: ArtifactStore, settings: TrainingSettings) -> float:
+    """The real (unpadded) tokens per optimizer step our run of `settings.steps` steps will average,
+    read off its batch plan (`plan_epoch` over the training rows `split_heldout` leaves)."""
+    samples, _ = index_samples(store, shard_keys(store))
+    train_rows, _ = split_heldout(samples, settings.heldout_rows, settings.seed) if settings.heldout_rows else (samples, [])
+    lengths = [s.length for s in train_rows]
+    per_step: list[int] = []
+    epoch = 0
+    while len(per_step) < settings.steps:
+        plan = plan_epoch(lengths, epoch, settings.seed, settings.batch_tokens, settings.batch_order)
+        per_step += [sum(lengths[i] for i in batch) for batch in plan]
+        epoch += 1
+    return statistics.fmean(per_step[: settings.steps])
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -162,7 +217,7 @@ def ratios(served: dict, a: str, b: str, figure: str = "mean_acceptance_length")
 
 def print_table(report: dict) -> None:
     s = report["served"]
-    print(f"\n{'drafter':<16}{'steps':>7}{'CPU s/step':>12}{'tok/step':>10}{'acc.len k3':>12}{'acc.len k7':>12}"
+    print(f"\n{'drafter':<22}{'steps':>7}{'CPU s/step':>12}{'tok/step':>10}{'acc.len k3':>12}{'acc.len k7':>12}"
           f"{'tok/fwd k3':>12}{'tok/fwd k7':>12}  per position k7")  # fmt: skip
     for name in s:
         k3, k7 = s[name]["k3"], s[name]["k7"]
@@ -170,15 +225,21 @@ def print_table(report: dict) -> None:
         t = report.get(name)  # none: not trained here (ngram, or an export given by --serve-export)
         trained = f"{t['steps']:>7}{t['cpu_s_per_step']:>12.3f}{t['tokens_per_step']:>10.0f}" if t else f"{'-':>7}{'-':>12}{'-':>10}"
         print(
-            f"{name:<16}{trained}{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}"
+            f"{name:<22}{trained}{k3['mean_acceptance_length']:>12.3f}{k7['mean_acceptance_length']:>12.3f}"
             f"{k3['tokens_per_forward']:>12.3f}{k7['tokens_per_forward']:>12.3f}  {pos}"
         )
+    for name in ("ours", "speculators", "ours_equal_cpu", "speculators_equal_cpu"):
+        if curve := report.get(name, {}).get("acc_0_curve") or report.get(name, {}).get("curve"):
+            print(f"{name} training acc_0 by step: " + " ".join(f"{step}:{acc:.3f}" for step, acc in curve))
     r = report["ratios"]
     if "equal_steps" in r:
         print(f"\nours / speculators, equal steps:        k3 {r['equal_steps']['k3']:.3f}  k7 {r['equal_steps']['k7']:.3f}")
     if "equal_cpu_seconds" in r:
-        e = r["equal_cpu_seconds"]
-        print(f"ours / speculators, equal CPU-seconds:  k3 {e['k3']:.3f}  k7 {e['k7']:.3f}  (ours {report['ours_equal_cpu']['steps']} steps)")
+        e, rerun = r["equal_cpu_seconds"], "ours_equal_cpu" if "ours_equal_cpu" in report else "speculators_equal_cpu"
+        print(
+            f"ours / speculators, equal CPU-seconds:  k3 {e['k3']:.3f}  k7 {e['k7']:.3f}  ({rerun} {report[rerun]['steps']} "
+            f"steps; CPU-seconds ours / speculators {r['equal_cpu_seconds_cpu_ratio']:.3f})"
+        )
     if "cpu_per_step_spec_over_ours" in r:
         print(f"CPU s/step speculators / ours:          {r['cpu_per_step_spec_over_ours']:.2f}x")
     if "ours_over_ngram_tokens_per_forward" in r:
@@ -221,7 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-attn-impl", default="sdpa", choices=["sdpa", "eager"], help="flex attention: no CPU backward")
     ap.add_argument("--spec-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each trainer")
-    ap.add_argument("--no-equal-cpu", action="store_true", help="skip the equal-CPU-seconds run of ours")
+    ap.add_argument(
+        "--equal-cpu", choices=["ours", "speculators", "none"], default="ours",
+        help="which trainer runs again at the other's CPU-seconds: ours (more steps at speculators' budget), "
+        "speculators (fewer steps at ours'; cheaper when it is the slower), none",
+    )  # fmt: skip
+    ap.add_argument(
+        "--concurrent", action="store_true",
+        help="train speculators beside ours (one core each at --threads 1) instead of one after the other",
+    )  # fmt: skip
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -249,11 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {}
     drafters: dict[str, Path] = {}
 
-    if "ours" in args.contestants:
-        t = time.perf_counter()
-        ours = train(project, base, "ours", out, threads=args.threads)
-        timings["ours_s"] = time.perf_counter() - t
-        report["ours"], drafters["ours"] = ours.as_json(), ours.export_dir
+    ours = spec_job = None
     if "speculators" in args.contestants:
         t = time.perf_counter()
         py = ensure_peer_venv()
@@ -264,25 +329,49 @@ def main(argv: list[str] | None = None) -> int:
         timings["convert_s"] = time.perf_counter() - t
         log(f"converted {manifest['n_train']} training + {manifest['n_heldout']} held-out rows into {data_dir}")
         report["data"] = {k: v for k, v in manifest.items() if k != "rows"}
-        if "ours" in report and args.spec_total_seq_len == "match":
-            seq_len = round(ours.tokens_per_step)
-        elif args.spec_total_seq_len == "match":
-            seq_len = base.batch_tokens  # nothing of ours to match: our budget per step, padding included
-        else:
-            seq_len = int(args.spec_total_seq_len)
+        # Our batch plan says, before training, the real tokens per step ours will average: speculators'
+        # budget matches it whether or not ours trains first.
+        match = args.spec_total_seq_len == "match"
+        seq_len = round(planned_tokens_per_step(store, base)) if match else int(args.spec_total_seq_len)
+
+        def run_speculators(name: str, steps: int) -> dict:
+            t = time.perf_counter()
+            spec = train_speculators(py, data_dir, project.target_dir(), out / name, args, seq_len, steps)
+            timings[f"{name}_s"] = time.perf_counter() - t
+            return spec
+
+        pool = ThreadPoolExecutor(2)
+        spec_job = pool.submit(run_speculators, "speculators_run", args.steps)
+        if not args.concurrent:
+            spec_job.result()
+    if "ours" in args.contestants:
         t = time.perf_counter()
-        spec = train_speculators(py, data_dir, project.target_dir(), out / "speculators_run", args, seq_len)
-        timings["speculators_s"] = time.perf_counter() - t
-        spec |= {"cpu_s_per_step": spec["cpu_s_per_step_mean"], "tokens_per_step": spec["tokens_per_step_mean"] or 0.0}
-        report["speculators"] = {k: v for k, v in spec.items() if k != "cpu_s_per_step_list"}
+        ours = train(project, base, "ours", out, threads=args.threads)
+        timings["ours_s"] = time.perf_counter() - t
+        report["ours"], drafters["ours"] = ours.as_json() | {"acc_0_curve": ours.curve()}, ours.export_dir
+    equal_spec_job = None
+    if ours is not None and spec_job is not None and args.equal_cpu == "speculators":
+        # Speculators again, from scratch, for as many steps as ours' CPU-seconds buy at its CPU per step
+        # (read off the running speculators log when ours is done; the report gives both totals).
+        n = max(1, round(sum(ours.cpu_s) / cpu_per_step_so_far(out / "speculators_run.log")))
+        equal_spec_job = pool.submit(run_speculators, "speculators_equal_cpu_run", n)
+    if spec_job is not None:
+        spec = spec_job.result()
+        report["speculators"] = spec_report(spec)
         drafters["speculators"] = Path(spec["export_dir"])
-        if "ours" in report and not args.no_equal_cpu:
+        if ours is not None and args.equal_cpu == "ours":
             m = max(1, round(spec["cpu_s_train_steps"] / ours.cpu_s_per_step))
             t = time.perf_counter()
             equal = train(project, base.model_copy(update={"steps": m}), "ours_equal_cpu", out, threads=args.threads)
             timings["ours_equal_cpu_s"] = time.perf_counter() - t
-            report["ours_equal_cpu"] = equal.as_json()
+            report["ours_equal_cpu"] = equal.as_json() | {"acc_0_curve": equal.curve(), "cpu_s_train_steps": sum(equal.cpu_s)}
             drafters["ours_equal_cpu"] = equal.export_dir
+    if equal_spec_job is not None:
+        spec_equal = equal_spec_job.result()
+        report["speculators_equal_cpu"] = spec_report(spec_equal)
+        drafters["speculators_equal_cpu"] = Path(spec_equal["export_dir"])
+    if ours is not None:
+        report["ours"]["cpu_s_train_steps"] = sum(ours.cpu_s)
 
     for given in args.serve_export:
         label, _, path = given.partition("=")
@@ -319,6 +408,10 @@ def ratios_of(report: dict, served: dict) -> dict:
         r["cpu_per_step_spec_over_ours"] = report["speculators"]["cpu_s_per_step"] / report["ours"]["cpu_s_per_step"]
     if "ours_equal_cpu" in served:
         r["equal_cpu_seconds"] = ratios(served, "ours_equal_cpu", "speculators")
+        r["equal_cpu_seconds_cpu_ratio"] = report["ours_equal_cpu"]["cpu_s_train_steps"] / report["speculators"]["cpu_s_train_steps"]
+    if "speculators_equal_cpu" in served:
+        r["equal_cpu_seconds"] = ratios(served, "ours", "speculators_equal_cpu")
+        r["equal_cpu_seconds_cpu_ratio"] = report["ours"]["cpu_s_train_steps"] / report["speculators_equal_cpu"]["cpu_s_train_steps"]
     if "ours" in served and "ngram" in served:
         # n-gram lookup drafts only where the text repeats: compared per target forward, undrafted steps included.
         r["ours_over_ngram_tokens_per_forward"] = ratios(served, "ours", "ngram", "tokens_per_forward")

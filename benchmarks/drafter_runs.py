@@ -90,9 +90,16 @@ class Trained:
     heldout: dict[str, float]
     export_dir: Path
     cpu_s: list[float] = field(repr=False, default_factory=list)
+    acc_0: list[float] = field(repr=False, default_factory=list)  # per step: the learning curve
 
     def as_json(self) -> dict:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items() if k != "cpu_s"}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items() if k not in ("cpu_s", "acc_0")}
+
+    def curve(self, points: int = 10) -> list[tuple[int, float]]:
+        """Training acc_0 at `points` even fractions of the run: (last step, mean over that slice)."""
+        n = len(self.acc_0)
+        cuts = sorted({round(n * i / points) for i in range(points + 1)})
+        return [(b, statistics.fmean(self.acc_0[a:b])) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
 def train(project: Project, settings: TrainingSettings, label: str, workdir: Path, *, threads: int = 1) -> Trained:
@@ -101,6 +108,7 @@ def train(project: Project, settings: TrainingSettings, label: str, workdir: Pat
     store = scratch_store(project, workdir / label)
     cpu: list[float] = []
     tokens: list[float] = []
+    acc_0: list[float] = []
     last = [time.process_time()]
 
     def on_metrics(step: int, m: dict[str, float]) -> None:
@@ -108,6 +116,7 @@ def train(project: Project, settings: TrainingSettings, label: str, workdir: Pat
         cpu.append(now - last[0])
         last[0] = now
         tokens.append(m.get("tokens", 0.0))
+        acc_0.append(m.get("acc_0", 0.0))
 
     log(f"{label}: {settings.steps} steps ({threads} thread(s))")
     r = train_drafter(
@@ -116,7 +125,9 @@ def train(project: Project, settings: TrainingSettings, label: str, workdir: Pat
     )  # fmt: skip
     export_drafter(store, r.model.trainable_state_dict(), r.config, aux_layer_ids=r.aux_layer_ids)
     shutil.rmtree(store.local_path("drafter/checkpoints"), ignore_errors=True)
-    return Trained(label, r.step, steady(cpu), statistics.fmean(tokens), r.heldout, store.local_path(EXPORT_DIR), cpu)
+    return Trained(
+        label, r.step, steady(cpu), statistics.fmean(tokens), r.heldout, store.local_path(EXPORT_DIR), cpu, acc_0
+    )
 
 
 def serve(

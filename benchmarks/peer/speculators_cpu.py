@@ -119,6 +119,9 @@ def build_dataset(data_dir: Path, manifest: dict) -> Path:
     return ds_dir
 
 
+STEP_LINE = "[speculators-cpu] step"
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.cpu: list[float] = []
@@ -137,6 +140,8 @@ class _Recorder:
         self.cpu.append(c - self.t_cpu)
         self.wall.append(w - self.t_wall)
         self.t_cpu, self.t_wall = c, w
+        # Progress, and the CPU cost so far for a caller that plans a run against it (bench_peer_speculators).
+        print(f"{STEP_LINE} {len(self.cpu)} cpu_s {self.cpu[-1]:.4f}", file=sys.stderr, flush=True)
 
 
 REC = _Recorder()
@@ -316,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_step_mean": statistics.fmean(REC.tokens) if REC.tokens else None,
         "cpu_s_per_step": REC.cpu,
         "last_train_metrics": REC.train[-1] if REC.train else {},
+        "train_metrics": REC.train,  # every logged step: the learning curve
         "last_val_metrics": REC.val[-1] if REC.val else {},
         "n_train_rows": n_train,
         "n_val_rows": n_total - n_train,
