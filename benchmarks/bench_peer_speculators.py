@@ -87,7 +87,7 @@ sys.path.insert(0, str(PEER_DIR))
 
 from convert_shards import convert  # noqa: E402
 from speculators_cpu import STEP_LINE  # noqa: E402
-from drafter_runs import KS, demo_store, log, serve, shard_keys, steady, train  # noqa: E402
+from drafter_runs import KS, curve, demo_store, log, serve, shard_keys, steady, train  # noqa: E402
 
 from eagle3_assets.drafter.data import index_samples, plan_epoch, split_heldout  # noqa: E402
 from eagle3_assets.project import Project  # noqa: E402
@@ -151,24 +151,16 @@ def cpu_per_step_so_far(log_path: Path) -> float:
     return steady(steps)
 
 
-def spec_curve(train_metrics: list[dict], points: int = 10) -> list[tuple[int, float]]:
-    """Speculators' logged training accuracy of the first draft position (`full_acc_0`) at `points` even
-    fractions of its run: (last step, mean over that slice), the statistic of ours' `Trained.curve`."""
-    logged = [(int(m["step"]), float(m["full_acc_0"])) for m in train_metrics if "full_acc_0" in m and m.get("step") is not None]
-    cuts = sorted({round(len(logged) * i / points) for i in range(points + 1)})
-    return [
-        (logged[hi - 1][0], statistics.fmean(acc for _, acc in logged[lo:hi]))
-        for lo, hi in zip(cuts, cuts[1:], strict=False)
-        if hi > lo
-    ]
-
-
 def spec_report(spec: dict) -> dict:
     """The wrapper's result for the report: per-step lists folded into means and the learning curve."""
     return {k: v for k, v in spec.items() if k not in ("cpu_s_per_step", "train_metrics")} | {
         "cpu_s_per_step": spec["cpu_s_per_step_mean"],
         "tokens_per_step": spec["tokens_per_step_mean"] or 0.0,
-        "curve": spec_curve(spec.get("train_metrics", [])),
+        # Speculators' training accuracy of the first draft position, the statistic of ours' acc_0; its
+        # global_step counts from 0, ours from 1.
+        "acc_0_curve": curve(
+            [(int(m["step"]) + 1, float(m["full_acc_0"])) for m in spec.get("train_metrics", []) if "full_acc_0" in m]
+        ),
     }
 
 
@@ -229,8 +221,8 @@ def print_table(report: dict) -> None:
             f"{k3['tokens_per_forward']:>12.3f}{k7['tokens_per_forward']:>12.3f}  {pos}"
         )
     for name in ("ours", "speculators", "ours_equal_cpu", "speculators_equal_cpu"):
-        if curve := report.get(name, {}).get("acc_0_curve") or report.get(name, {}).get("curve"):
-            print(f"{name} training acc_0 by step: " + " ".join(f"{step}:{acc:.3f}" for step, acc in curve))
+        if points := report.get(name, {}).get("acc_0_curve"):
+            print(f"{name} training acc_0 by step: " + " ".join(f"{step}:{acc:.3f}" for step, acc in points))
     r = report["ratios"]
     if "equal_steps" in r:
         print(f"\nours / speculators, equal steps:        k3 {r['equal_steps']['k3']:.3f}  k7 {r['equal_steps']['k7']:.3f}")
@@ -348,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         ours = train(project, base, "ours", out, threads=args.threads)
         timings["ours_s"] = time.perf_counter() - t
-        report["ours"], drafters["ours"] = ours.as_json() | {"acc_0_curve": ours.curve()}, ours.export_dir
+        report["ours"], drafters["ours"] = ours.as_json(), ours.export_dir
     equal_spec_job = None
     if ours is not None and spec_job is not None and args.equal_cpu == "speculators":
         # Speculators again, from scratch, for as many steps as ours' CPU-seconds buy at its CPU per step
@@ -364,14 +356,14 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             equal = train(project, base.model_copy(update={"steps": m}), "ours_equal_cpu", out, threads=args.threads)
             timings["ours_equal_cpu_s"] = time.perf_counter() - t
-            report["ours_equal_cpu"] = equal.as_json() | {"acc_0_curve": equal.curve(), "cpu_s_train_steps": sum(equal.cpu_s)}
+            report["ours_equal_cpu"] = equal.as_json()
             drafters["ours_equal_cpu"] = equal.export_dir
     if equal_spec_job is not None:
         spec_equal = equal_spec_job.result()
         report["speculators_equal_cpu"] = spec_report(spec_equal)
         drafters["speculators_equal_cpu"] = Path(spec_equal["export_dir"])
-    if ours is not None:
-        report["ours"]["cpu_s_train_steps"] = sum(ours.cpu_s)
+    if spec_job is not None:
+        pool.shutdown()
 
     for given in args.serve_export:
         label, _, path = given.partition("=")

@@ -93,13 +93,19 @@ class Trained:
     acc_0: list[float] = field(repr=False, default_factory=list)  # per step: the learning curve
 
     def as_json(self) -> dict:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items() if k not in ("cpu_s", "acc_0")}
+        fields = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items() if k not in ("cpu_s", "acc_0")}
+        return fields | {"cpu_s_train_steps": sum(self.cpu_s), "acc_0_curve": curve(list(enumerate(self.acc_0, 1)))}
 
-    def curve(self, points: int = 10) -> list[tuple[int, float]]:
-        """Training acc_0 at `points` even fractions of the run: (last step, mean over that slice)."""
-        n = len(self.acc_0)
-        cuts = sorted({round(n * i / points) for i in range(points + 1)})
-        return [(b, statistics.fmean(self.acc_0[a:b])) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+def curve(logged: list[tuple[int, float]], points: int = 10) -> list[tuple[int, float]]:
+    """A learning curve from (step, value) pairs in step order, at `points` even fractions of the run:
+    (last step of the slice, mean value over it)."""
+    cuts = sorted({round(len(logged) * i / points) for i in range(points + 1)})
+    return [
+        (logged[hi - 1][0], statistics.fmean(v for _, v in logged[lo:hi]))
+        for lo, hi in zip(cuts, cuts[1:], strict=False)
+        if hi > lo
+    ]
 
 
 def train(project: Project, settings: TrainingSettings, label: str, workdir: Path, *, threads: int = 1) -> Trained:
