@@ -87,19 +87,11 @@ sys.path.insert(0, str(PEER_DIR))
 
 from convert_shards import convert  # noqa: E402
 from speculators_cpu import STEP_LINE  # noqa: E402
-from drafter_runs import KS, curve, demo_store, log, serve, shard_keys, steady, train  # noqa: E402
+from drafter_runs import KS, curve, log, open_project, serve, shard_keys, steady, train  # noqa: E402
 
 from eagle3_assets.drafter.data import index_samples, plan_epoch, split_heldout  # noqa: E402
-from eagle3_assets.project import Project  # noqa: E402
 from eagle3_assets.prompts import parse_prompts  # noqa: E402
-from eagle3_assets.settings import (  # noqa: E402
-    CONFIG_ENV,
-    ROOT_ENV,
-    TrainingSettings,
-    artifact_root,
-    demo_settings,
-    load_settings,
-)
+from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV, TrainingSettings  # noqa: E402
 from eagle3_assets.storage import ArtifactStore  # noqa: E402
 
 PEER_VENV = ROOT / ".peer" / "speculators"
@@ -177,27 +169,6 @@ def planned_tokens_per_step(store: ArtifactStore, settings: TrainingSettings) ->
         per_step += [sum(lengths[i] for i in batch) for batch in plan]
         epoch += 1
     return statistics.fmean(per_step[: settings.steps])
-
-
-# -- the run ---------------------------------------------------------------------------------
-
-
-def open_project(args: argparse.Namespace) -> Project:
-    """The configured run (`--config`/$EAGLE3_CONFIG, `--root`/$EAGLE3_ROOT), or the demo store at `--store`
-    (its shards built there first when a drafter is to be trained)."""
-    config = args.config or os.environ.get(CONFIG_ENV)
-    if not config:
-        if {"ours", "speculators"} & set(args.contestants):
-            return demo_store(args.store)
-        return Project(demo_settings(), ArtifactStore(str(args.store.resolve())))
-    root = args.root or os.environ.get(ROOT_ENV)
-    if not root:
-        raise SystemExit(f"--config {config}: name the run's store with --root or ${ROOT_ENV}")
-    project = Project(load_settings({CONFIG_ENV: str(config)}), ArtifactStore(artifact_root({ROOT_ENV: root})))
-    if project.store.local_path("") is None:
-        raise SystemExit(f"--root {root}: the benchmarks train beside the store and need a local directory")
-    log(f"run: settings {config}, store {project.store.url_of('')}")
-    return project
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -288,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    project = open_project(args)
+    project = open_project(args.config, args.root, args.store, demo_shards=bool({"ours", "speculators"} & set(args.contestants)))
     store = project.store
     max_tokens = args.max_tokens or project.settings.generation.max_new_tokens
     eval_prompts = None

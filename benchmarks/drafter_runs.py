@@ -1,6 +1,6 @@
 """What the drafter benchmarks share: the demo store, our drafter trained for a number of steps, and serving.
 
-`demo_store(dir)` runs the project's own demo graph through the hidden-state shards (no
+`open_project(...)` opens a configured run's store, or the demo's. `demo_store(dir)` runs the project's own demo graph through the hidden-state shards (no
 drafter) into `dir`, or reuses what is there. `train(...)` trains our drafter on it for
 exactly `settings.steps` optimizer steps into a scratch store beside it (checkpoints go
 under a store) and exports it, timing every step in process CPU seconds. `serve(...)`
@@ -30,7 +30,15 @@ from eagle3_assets.project import Project
 from eagle3_assets.start import GraphStart
 from eagle3_assets.prompts import Prompt
 from eagle3_assets.sample_file import MANIFEST_NAME, shard_dir
-from eagle3_assets.settings import Settings, TrainingSettings, demo_settings
+from eagle3_assets.settings import (
+    CONFIG_ENV,
+    ROOT_ENV,
+    Settings,
+    TrainingSettings,
+    artifact_root,
+    demo_settings,
+    load_settings,
+)
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
@@ -54,6 +62,22 @@ def demo_store(path: Path, settings: Settings | None = None) -> Project:
         with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
             if not GraphStart(build_definitions(project), instance, project).run(through="hidden_states"):
                 raise RuntimeError(f"the demo graph failed building {path}; rerun to resume")
+    return project
+
+
+def open_project(config: Path | None, root: str | None, demo: Path, *, demo_shards: bool) -> Project:
+    """The configured run (`config`/$EAGLE3_CONFIG, `root`/$EAGLE3_ROOT), or the demo store at `demo`
+    (its shards built there first when `demo_shards`: a drafter is to be trained on them)."""
+    config = config or os.environ.get(CONFIG_ENV)
+    if not config:
+        return demo_store(demo) if demo_shards else Project(demo_settings(), ArtifactStore(str(demo.resolve())))
+    root = root or os.environ.get(ROOT_ENV)
+    if not root:
+        raise SystemExit(f"--config {config}: name the run's store with --root or ${ROOT_ENV}")
+    project = Project(load_settings({CONFIG_ENV: str(config)}), ArtifactStore(artifact_root({ROOT_ENV: root})))
+    if project.store.local_path("") is None:
+        raise SystemExit(f"--root {root}: the benchmarks train beside the store and need a local directory")
+    log(f"run: settings {config}, store {project.store.url_of('')}")
     return project
 
 
