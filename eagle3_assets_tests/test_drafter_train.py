@@ -22,7 +22,13 @@ from safetensors.torch import save as st_save
 
 from eagle3_assets.drafter.checkpoint import CheckpointError, checkpoint_rel, list_checkpoints, save_checkpoint
 from eagle3_assets.drafter.launch import LaunchRefused, refuse_another_world_size
-from eagle3_assets.drafter.train import NonFiniteLossError, TrainingError, train_drafter
+from eagle3_assets.drafter.train import (
+    NonFiniteLossError,
+    TrainingError,
+    short_run_warning,
+    train_drafter,
+    warmup_cosine,
+)
 from eagle3_assets.sample_file import read_header
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
@@ -350,3 +356,37 @@ def test_weights_that_are_not_finite_are_never_checkpointed(tmp_path):
     with pytest.raises(CheckpointError, match=r"step 7: not checkpointed, 1 tensor\(s\) hold non-finite values \(fc.weight\)"):
         save_checkpoint(store, 7, model_tensors=bad, optimizer=opt, param_names=["weight", "bias"], scheduler=sched, state={})
     assert list_checkpoints(store) == []
+
+
+def test_the_schedule_warms_up_linearly_then_decays_to_zero_at_the_last_step():
+    factor = warmup_cosine(4, 20)
+    assert [factor(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert factor(12) == pytest.approx(0.5)
+    assert factor(20) == pytest.approx(0.0)
+    # Warmup longer than the run: the learning rate never reaches lr.
+    never = warmup_cosine(100, 80)
+    assert max(never(s) for s in range(80)) == pytest.approx(0.8)
+
+
+def test_a_run_too_short_for_its_warmup_is_named_with_what_to_set():
+    library = TrainingSettings()  # lr 1e-4, 100 warmup steps: written for long runs
+    assert short_run_warning(library, 401) is None
+    assert short_run_warning(library, 400) == (
+        "drafter: warmup_steps 100 is 25% of this run's 400 steps: lr 0.0001 is reached late or never. "
+        "For a run this short set training.warmup_steps to about 20 and training.lr as README.md's table "
+        "'Optimizer settings by run length' says"
+    )
+    assert short_run_warning(library, 80).startswith("drafter: warmup_steps 100 is 125% of this run's 80 steps:")
+    assert "warmup_steps to about 1 and" in short_run_warning(library, 3)  # never 0
+
+
+def test_the_drafter_log_says_when_warmup_is_too_long_for_the_run(tmp_path, data):
+    root, keys, vmap = data
+    logs: list[str] = []
+    settings = SETTINGS.model_copy(update={"warmup_steps": 100, "steps": 4})
+    train_drafter(
+        copy_store(data, tmp_path / "store"), keys, vmap=vmap, target=target_of(root / "target"), settings=settings,
+        log=logs.append,
+    )  # fmt: skip
+    assert short_run_warning(settings, 4) in logs
+    assert not [line for line in logs if "warmup_steps" in line and line != short_run_warning(settings, 4)]

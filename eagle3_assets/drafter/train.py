@@ -111,6 +111,19 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
     return factor
 
 
+def short_run_warning(settings: TrainingSettings, total_steps: int) -> str | None:
+    """A warning when warmup takes a quarter of the run or more: the defaults are for long runs, and at a few
+    hundred steps the learning rate would peak late or never."""
+    if settings.warmup_steps * 4 < total_steps:
+        return None
+    return (
+        f"drafter: warmup_steps {settings.warmup_steps} is {settings.warmup_steps / total_steps:.0%} of this run's "
+        f"{total_steps} steps: lr {settings.lr:g} is reached late or never. For a run this short set "
+        f"training.warmup_steps to about {max(1, total_steps // 20)} and training.lr as README.md's table "
+        "'Optimizer settings by run length' says"
+    )
+
+
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     # bf16 matmuls on GPU (params and optimizer stay fp32); exact fp32 on CPU.
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -542,6 +555,8 @@ def train_drafter(
                 f"drafter: {len(run.loader.samples)} training samples ({n_tokens} tokens), {len(run.heldout)} held out; "
                 f"{run.total_steps} steps on {device} x{env.world_size}; aux layers {list(run.fmt.aux_layer_ids)}"
             )
+            if warning := short_run_warning(settings, run.total_steps):
+                log(warning)
         stop_at = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
         tb = TensorBoard(store, step) if env.is_main else None
         heldout: dict[str, float] = {}
