@@ -259,16 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    project = open_project(args.config, args.root, args.store, demo_shards=bool({"ours", "speculators"} & set(args.contestants)))
+    trains = {"ours", "speculators"} & set(args.contestants)
+    if (args.equal_cpu == "speculators" or args.concurrent) and len(trains) < 2:
+        flag = "--equal-cpu speculators" if args.equal_cpu == "speculators" else "--concurrent"
+        raise SystemExit(f"{flag} needs both ours and speculators in --contestants (given: {','.join(args.contestants)})")
+    project = open_project(args.config, args.root, args.store, demo_shards=bool(trains))
     store = project.store
     max_tokens = args.max_tokens or project.settings.generation.max_new_tokens
     eval_prompts = None
     if args.eval_prompts is not None:
         eval_prompts = parse_prompts(args.eval_prompts.read_text(encoding="utf-8-sig"), str(args.eval_prompts))
-    trains = {"ours", "speculators"} & set(args.contestants)
-    if (args.equal_cpu == "speculators" or args.concurrent) and len(trains) < 2:
-        flag = "--equal-cpu speculators" if args.equal_cpu == "speculators" else "--concurrent"
-        raise SystemExit(f"{flag} needs both ours and speculators in --contestants (given: {','.join(args.contestants)})")
     if trains and not shard_keys(store):
         raise SystemExit(
             f"{store.url_of('')}: no complete hidden-state shards to train {' and '.join(sorted(trains))} on; "

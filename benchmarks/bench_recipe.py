@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafter_runs import KS, Trained, log, open_project, serve, train  # noqa: E402
 
-from eagle3_assets.settings import CONFIG_ENV, TrainingSettings, demo_settings  # noqa: E402
+from eagle3_assets.settings import CONFIG_ENV, TrainingSettings  # noqa: E402
 
 # The recipe before the ablations; every configuration is it with its options changed.
 BASELINE = {"norm_before_fc": False, "norm_output": False, "norm_before_residual": False, "batch_order": "by_length"}
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = train_all(project, jobs, out, args.parallel)
     served = {}
     if not args.no_serve:
-        max_tokens = project.settings.generation.max_new_tokens if configured else demo_settings().generation.max_new_tokens
-        served = serve(project.target(), project, {k: t.export_dir for k, t in trained.items()}, max_tokens)
+        exports = {k: t.export_dir for k, t in trained.items()}
+        served = serve(project.target(), project, exports, project.settings.generation.max_new_tokens)
 
     rows = {}
     for name in names:

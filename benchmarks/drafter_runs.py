@@ -1,7 +1,8 @@
 """What the drafter benchmarks share: the demo store, our drafter trained for a number of steps, and serving.
 
-`open_project(...)` opens a configured run's store, or the demo's. `demo_store(dir)` runs the project's own demo graph through the hidden-state shards (no
-drafter) into `dir`, or reuses what is there. `train(...)` trains our drafter on it for
+`open_project(...)` opens a configured run's store, or the demo's. `demo_store(dir)` runs the
+project's own demo graph through the hidden-state shards (no drafter) into `dir`, or reuses
+what is there. `train(...)` trains our drafter on it for
 exactly `settings.steps` optimizer steps into a scratch store beside it (checkpoints go
 under a store) and exports it, timing every step in process CPU seconds. `serve(...)`
 decodes the held-out prompts (the store's, or those given) greedily with the target alone,
