@@ -83,28 +83,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", help="that run's store, a local directory (default $EAGLE3_ROOT)")
     ap.add_argument("--store", type=Path, default=Path("/tmp/recipe-demo-store"), help="demo store (built if missing)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/recipe-bench"))
-    ap.add_argument("--base", help="the baseline's options as JSON over the run's training settings "
+    ap.add_argument("--base", type=json.loads, help="the baseline's options as JSON over the run's training settings "
                     "(default: BASELINE on the demo, none on a configured run)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=155)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names ('' for --extra alone)")
-    ap.add_argument("--extra", default="", help="more configurations as JSON: {name: {option: value}}")
+    ap.add_argument("--extra", type=json.loads, default={}, help="more configurations as JSON: {name: {option: value}}")
     ap.add_argument("--parallel", type=int, default=1, help="trainings at a time (one torch thread each)")
     ap.add_argument("--no-serve", action="store_true", help="held-out figures only: no vLLM serving")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
-    configs = dict(CONFIGS) | (json.loads(args.extra) if args.extra else {})
+    configs = dict(CONFIGS) | args.extra
     if args.list:
         print(json.dumps(configs, indent=1))
         return 0
-    names = [n for n in args.configs.split(",") if n] + list(json.loads(args.extra) if args.extra else {})
+    names = [n for n in args.configs.split(",") if n] + list(args.extra)
     if unknown := [n for n in names if n not in configs]:
         raise SystemExit(f"--configs: unknown {unknown}; --list shows the names")
     started = time.perf_counter()
     out = args.out.resolve()
     project = open_project(args.config, args.root, args.store, demo_shards=True)
     configured = bool(args.config or os.environ.get(CONFIG_ENV))
-    base_options = json.loads(args.base) if args.base else ({} if configured else BASELINE)
+    base_options = args.base if args.base is not None else ({} if configured else BASELINE)
     base = project.settings.training.model_copy(update={"steps": args.steps, "device": "cpu"})
     jobs: dict[str, TrainingSettings] = {}
     runs_of: dict[str, list[str]] = {}
