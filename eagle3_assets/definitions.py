@@ -24,6 +24,7 @@ from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
 from eagle3_assets.defs.ops.sensors import dead_runs_sensor, run_failure_alert_sensor, shard_stall_sensor
+from eagle3_assets.defs.provenance import root_condition, with_provenance
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.assets import hidden_states_asset
 from eagle3_assets.defs.shards.automation import rolling_shard_backfill_condition, shard_backfill_condition
@@ -35,17 +36,20 @@ def build_definitions(project: Project) -> Definitions:
     rolling = settings.training.mode == "rolling"
     cron = settings.extraction.backfill_cron
     hidden_states = hidden_states_asset(settings.extraction).with_attributes(
-        automation_condition=rolling_shard_backfill_condition(cron, project) if rolling else shard_backfill_condition(cron)
+        automation_condition=rolling_shard_backfill_condition(cron, project) if rolling else shard_backfill_condition(cron, project)
     )
     # Everything after the roots follows its inputs under the daemon's `pipeline` sensor.
     followers = [
-        a.with_attributes(automation_condition=data_condition())
+        a.with_attributes(automation_condition=data_condition(project))
         for a in (data.responses, data.tokenized, data.token_freq, data.vocab_map)
     ] + [
-        drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(rolling)),
-        drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition()),
+        drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(project)),
+        drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition(project)),
     ]
-    assets = [data.prompts, data.target_model, hidden_states, *followers]
+    # A changed setting is a new code version of the assets that read it: the UI shows them stale.
+    # The roots are made again when what they read changed (a new prompt file, another target).
+    roots = [a.with_attributes(automation_condition=root_condition(project)) for a in (data.prompts, data.target_model)]
+    assets = [a.map_asset_specs(lambda spec: with_provenance(spec, project)) for a in (*roots, hidden_states, *followers)]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
     jobs = [shard_checks.verify_shards]
     # What a per-step Kubernetes config may name: every op these definitions run.
@@ -61,19 +65,21 @@ def build_definitions(project: Project) -> Definitions:
                 target=AssetSelection.assets(hidden_states),
                 default_status=DefaultSensorStatus.RUNNING,
                 minimum_interval_seconds=60,
-                description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule"
-                + (", within the rolling window." if rolling else "."),
-                # The window is read from the store: a condition the daemon alone cannot evaluate.
-                **({"use_user_code_server": True} if rolling else {}),
+                description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule, "
+                "and shards made from other inputs at once" + (", within the rolling window." if rolling else "."),
+                # Provenance and the window are read from the store: conditions the daemon alone cannot evaluate.
+                use_user_code_server=True,
             ),
             AutomationConditionSensorDefinition(
                 "pipeline",
-                target=AssetSelection.assets(*followers),
+                target=AssetSelection.assets(*roots, *followers),
                 default_status=DefaultSensorStatus.RUNNING,
                 minimum_interval_seconds=30,
-                description="Carries the graph forward once `prompts` and `target_model` are materialized: each asset "
+                description="Carries the graph forward once a person materialized `prompts` and `target_model`: each asset "
                 "after its inputs and their blocking checks, `drafter` after "
-                + ("the first checked shard." if rolling else "every shard passed its check."),
+                + ("the first checked shard." if rolling else "every shard passed its check.")
+                + " Each again when it is made from other settings or inputs than the current ones.",
+                use_user_code_server=True,
             ),
             dead_runs_sensor,
             shard_stall_sensor,

@@ -14,7 +14,10 @@ finished part and the rerun generates only what is missing (and retries rows tha
 failed). When all parts exist they are joined into `responses/responses.jsonl`.
 A part is trusted only if it parses, holds exactly the prompt ids it should, rendered with
 the template kwargs they are rendered with now, and was written in this format (parts of
-the earlier, text-only format are regenerated).
+the earlier, text-only format are regenerated). Each row is stamped (`made_by`) with what made it:
+the target, the generation settings and the prompt's own content (`Renderer.stamp`, docs/DESIGN.md §9);
+a row with another stamp is generated again, so appended prompts generate only the new rows and another
+target or other generation settings regenerate all of them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.figures import duration
 from eagle3_assets.generation.base import Generated, Generator
 from eagle3_assets.prompts import Prompt
+from eagle3_assets.provenance import digest
 from eagle3_assets.reasoning import ReasoningFormat, split_completion
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
@@ -40,6 +44,9 @@ from eagle3_assets.storage import ArtifactStore
 PARTS_DIR = "responses/parts"
 RESPONSES_FILE = "responses/responses.jsonl"
 TOKEN_FIELDS = ("prompt_token_ids", "completion_token_ids")
+
+
+STALE = "made from other inputs (another target, generation settings or prompt): generated again"
 
 
 class ResponsesError(Eagle3Error, RuntimeError):
@@ -109,9 +116,14 @@ class Renderer:
     stop_token_ids: set[int]
     max_seq_len: int  # a prompt this long leaves no room for an answer in a training row
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # run-wide; a prompt's own go over them
+    made_by: str = ""  # the digest of the target and generation settings a row is generated with
 
     def template_kwargs(self, prompt: Prompt) -> dict[str, Any]:
         return prompt.template_kwargs(self.chat_template_kwargs)
+
+    def stamp(self, prompt: Prompt) -> str:
+        """What a row of `prompt` generated now is made from: the settings, the target and the prompt itself."""
+        return digest([self.made_by, prompt.id, prompt.messages, self.template_kwargs(prompt), prompt.extra])
 
 
 def render(prompt: Prompt, renderer: Renderer) -> list[int] | str:
@@ -152,6 +164,7 @@ def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: G
         },
         "error": g.error,
         **prompt.extra,
+        "made_by": renderer.stamp(prompt),
     }
 
 
@@ -165,11 +178,14 @@ def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: 
     except (ValueError, UnicodeDecodeError):
         return None
     expected = [(p.id, renderer.template_kwargs(p)) for p in chunk]
-    if [(r.get("id"), r.get("chat_template_kwargs", {})) for r in records] != expected:
+    # A part written before prompts were appended holds a prefix of its chunk: its rows are kept.
+    if not records or [(r.get("id"), r.get("chat_template_kwargs", {})) for r in records] != expected[: len(records)]:
         return None
     if not all(all(f in r for f in TOKEN_FIELDS) for r in records):
         return None
-    return records
+    # A row made by another target, other settings or another prompt under the same id is redone.
+    kept = [r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE} for r, p in zip(records, chunk)]
+    return kept + [{"error": "a prompt appended since this part was written"} for _ in chunk[len(records) :]]
 
 
 def generate_responses(

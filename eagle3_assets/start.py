@@ -6,11 +6,12 @@ own retries, its own `gpu` slot), then `drafter`, then `drafter_eval`. In rollin
 (`training.mode: rolling`) `drafter` trains while the shards are extracted, each as the
 window admits it. The same command after a
 crash or a kill resumes: runs left by a dead process are failed first (their slots freed), and
-finished work is skipped, never redone. An asset is finished when it materialized after every
-input it reads and its blocking checks passed on that materialization; a shard when it
-materialized after `tokenized`, its files are complete and `shard_integrity` passed on it.
-A setting is not an input Dagster sees: after changing one, `--from ASSET` redoes ASSET and
-everything after it.
+finished work is skipped, never redone. What is due is decided by the rule the daemon's automation
+follows too (`defs/provenance.py: why_due`): an asset runs when it was never materialized or when its
+record in the store says it was made from other settings or inputs than the current ones (a changed
+setting, target, prompt file or input version: the line says which), or its blocking checks did not
+pass; a shard also when its files are incomplete or its check did not pass. Everything after an asset
+that runs runs too; unchanged settings redo nothing. `--from ASSET` forces ASSET and what follows.
 
 With a `vllm` backend and no server configured, each phase that has work shares one vLLM
 server, started when the phase starts and stopped when it ends (generation for the data
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -46,6 +46,7 @@ from dagster._core.utils import make_new_run_id
 from eagle3_assets.defs.drafter.assets import unusable_shards
 from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
+from eagle3_assets.defs.provenance import Staleness, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.processes import terminate_with_parent
@@ -57,11 +58,9 @@ if TYPE_CHECKING:
     from eagle3_assets.vllm_server.command import Role
 
 LAUNCHED_BY = "eagle3/launched_by"
-TOKENIZED = AssetKey("tokenized")
 RESPONSES = AssetKey("responses")
 DRAFTER = AssetKey("drafter")
 AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval")]
-SHARD_ATTEMPTS = 2  # runs of one shard, each with the asset's own retries, before the command stops asking
 ROLLING_POLL_S = 2.0
 THROUGH = ("hidden_states", "drafter", "drafter_eval")
 
@@ -91,21 +90,15 @@ class GraphStart:
 
     # --- what is finished ------------------------------------------------------------------------
 
-    def _latest(self, key: AssetKey, partition: str | None = None):
-        records = self.instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None), limit=1
-        ).records
+    def _latest(self, key: AssetKey):
+        records = self.instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=1).records
         return records[0] if records else None
 
-    def unfinished(self, key: AssetKey) -> str | None:
+    def unfinished(self, key: AssetKey, staleness: Staleness | None = None) -> str | None:
         """Why an unpartitioned asset must run; None when it is finished."""
+        if why := why_due(self.instance, staleness or Staleness(self.project), key):
+            return why
         latest = self._latest(key)
-        if latest is None:
-            return "never materialized"
-        for parent in sorted(self.graph.get(key).parent_keys):
-            before = self._latest(parent)
-            if before is not None and before.storage_id > latest.storage_id:
-                return f"{parent.to_user_string()} materialized after it"
         checks = [c for c in self.graph.get(key).check_keys if self.graph.get(c).blocking]
         executions = self.instance.event_log_storage.get_latest_asset_check_execution_by_key(checks)
         for check in checks:
@@ -118,17 +111,8 @@ class GraphStart:
         """Every registered shard key, in row order, with `done` or why it must run."""
         keys = registered_shard_keys(self.instance)
         bad = unusable_shards(self.instance, self.project, keys)
-        tokenized = self._latest(TOKENIZED)
-        states: dict[str, str] = {}
-        for key in keys:
-            latest = self._latest(HIDDEN_STATES, key)
-            if latest is None:
-                states[key] = "never materialized"
-            elif tokenized is not None and tokenized.storage_id > latest.storage_id:
-                states[key] = "tokenized materialized after it"
-            else:
-                states[key] = bad.get(key, "done")
-        return states
+        staleness = Staleness(self.project)
+        return {key: why_due(self.instance, staleness, HIDDEN_STATES, key) or bad.get(key, "done") for key in keys}
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -180,10 +164,11 @@ class GraphStart:
     def _todo(self, keys: list[AssetKey], redo: set[AssetKey]) -> list[AssetKey]:
         """`keys` (in graph order) that must run: unfinished or forced, or after one that runs."""
         todo: list[AssetKey] = []
+        staleness = Staleness(self.project)
         for key in keys:
             parents_run = self.graph.get(key).parent_keys & set(todo)
             why = "redo asked (--from)" if key in redo else (
-                f"{parents_run.pop().to_user_string()} runs first" if parents_run else self.unfinished(key)
+                f"{parents_run.pop().to_user_string()} runs first" if parents_run else self.unfinished(key, staleness)
             )  # fmt: skip
             self.log(f"{key.to_user_string()}: " + (f"to run ({why})" if why else "finished, skipped"))
             if why:
@@ -213,11 +198,8 @@ class GraphStart:
             return False
         if through == "hidden_states":
             return True
-        after = AFTER_SHARDS[: AFTER_SHARDS.index(AssetKey(through)) + 1]
-        # A shard that ran is an input that changed: what follows it runs, whatever it was.
-        todo = after if shards else self._todo(after, redo)
-        if shards:
-            self.log(f"{', '.join(k.to_user_string() for k in after)}: to run (shards ran)")
+        # A shard that ran made what its record says: the drafter runs when that changed what it trains on.
+        todo = self._todo(AFTER_SHARDS[: AFTER_SHARDS.index(AssetKey(through)) + 1], redo)
         return not todo or self.launch(todo)
 
     def _run_rolling(self, after: list[AssetKey], redo: set[AssetKey]) -> bool:
@@ -227,22 +209,23 @@ class GraphStart:
         if DRAFTER not in todo:
             return not todo or self.launch(todo)
         training = self.project.settings.training
-        attempts: Counter[str] = Counter()
+        tried: set[str] = set()
         with self.engine("extract"), tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp:
             started = time.monotonic()
             trainer = self._launch_process(DRAFTER, Path(tmp))
             while trainer.poll() is None:
                 window = Window.read(self.project.store, registered_shard_keys(self.instance), training.window_shards)
                 states = self.shard_states()
-                todo_shards = [k for k in window.admitted() if states[k] != "done" and attempts[k] < SHARD_ATTEMPTS]
+                # One run per shard and command (its own retries within): a refusal is never launched again.
+                todo_shards = [k for k in window.admitted() if states[k] != "done" and k not in tried]
                 if not todo_shards:
                     time.sleep(ROLLING_POLL_S)
                     continue
                 key = todo_shards[0]
-                attempts[key] += 1
-                if not self.launch([HIDDEN_STATES], key) and attempts[key] == SHARD_ATTEMPTS:
+                tried.add(key)
+                if not self.launch([HIDDEN_STATES], key):
                     self.log(
-                        f"{key} failed {SHARD_ATTEMPTS} times; the drafter waits for it up to training.shard_wait_s="
+                        f"{key} failed; the drafter waits for it up to training.shard_wait_s="
                         f"{training.shard_wait_s:g}s. Repair it from another shell (`python -m eagle3_assets.start "
                         f"--shard {key}`), or stop this command: running it again resumes"
                     )

@@ -22,6 +22,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from eagle3_assets.errors import Refusal
+from eagle3_assets.provenance import bytes_digest
 from eagle3_assets.storage import ArtifactStore
 
 TOKENIZED_FILE = "tokenized/tokenized.safetensors"
@@ -88,6 +89,14 @@ class TokenizedSet:
         np.cumsum(lengths, out=offsets[1:])
         take = np.concatenate([np.arange(self.offsets[r], self.offsets[r + 1]) for r in order])
         return TokenizedSet(self.input_ids[take], self.loss_mask[take], offsets, self.row_ids[order])
+
+    def rows_digest(self, start: int, end: int) -> str:
+        """A digest of rows [start, end): their tokens, masks and source row ids (what a shard is extracted from)."""
+        a, b = self.offsets[start], self.offsets[end]
+        lengths = np.diff(self.offsets[start : end + 1])
+        return bytes_digest(
+            self.input_ids[a:b].tobytes(), self.loss_mask[a:b].tobytes(), lengths.tobytes(), self.row_ids[start:end].tobytes()
+        )
 
     def to_bytes(self, metadata: dict[str, str] | None = None) -> bytes:
         return st_save(

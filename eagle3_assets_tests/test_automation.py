@@ -1,4 +1,7 @@
-"""The scheduled backfill condition, evaluated against real runs in a test instance."""
+"""The automation conditions, evaluated against real runs in a test instance.
+
+The stand-in assets carry the product's conditions, keys and deps; each records its provenance in a real
+store as the product's assets do, so the provenance rule (`defs/provenance.py`) sees what it would."""
 
 import datetime
 import threading
@@ -22,50 +25,73 @@ from dagster._core.test_utils import instance_for_test
 
 from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
+from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
+from eagle3_assets.project import Project
+from eagle3_assets.settings import TrainingSettings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets_tests.conftest import tiny_settings
 
 shards = DynamicPartitionsDefinition(name="hidden_state_shards")
 release = threading.Event()
 failing: set[str] = set()
 
 
-@asset
-def tokenized() -> None:
-    return None
+def project_at(tmp_path, **settings) -> Project:
+    return Project(tiny_settings(**settings), ArtifactStore(tmp_path / "store"))
 
 
-@asset(partitions_def=shards, deps=[tokenized], automation_condition=shard_backfill_condition("*/15 * * * *"))
-def hidden_states(context: AssetExecutionContext) -> None:
-    # The same condition as the product's asset; the body only fails or waits where the test needs it.
-    if context.partition_key in failing:
-        raise RuntimeError("extraction failed")
-    if context.partition_key == "rows_60-80":
-        release.wait(timeout=120)
+def record(project: Project, context: AssetExecutionContext) -> None:
+    """What the product's asset writes beside its artifact: its provenance under the current settings."""
+    partition = context.partition_key if context.has_partition_key else None
+    materialized(project, Staleness(project).expected(context.asset_key.to_user_string(), partition), partition=partition)
 
 
-DEFS = Definitions(assets=[tokenized, hidden_states])
+def stand_in(project: Project, name: str, **kwargs):
+    @asset(name=name, **kwargs)
+    def body(context: AssetExecutionContext) -> None:
+        record(project, context)
+
+    return body
 
 
-def run(instance, keys, partition=None):
-    job = DEFS.resolve_implicit_global_asset_job_def()
+def shard_defs(project: Project) -> Definitions:
+    tokenized = stand_in(project, "tokenized")
+
+    @asset(partitions_def=shards, deps=[tokenized], automation_condition=shard_backfill_condition("*/15 * * * *", project))
+    def hidden_states(context: AssetExecutionContext) -> None:
+        # The same condition as the product's asset; the body only fails or waits where the test needs it.
+        if context.partition_key in failing:
+            raise RuntimeError("extraction failed")
+        if context.partition_key == "rows_60-80":
+            release.wait(timeout=120)
+        record(project, context)
+
+    return Definitions(assets=[tokenized, hidden_states])
+
+
+def run(defs, instance, keys, partition=None):
+    job = defs.resolve_implicit_global_asset_job_def()
     return job.execute_in_process(
         instance=instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition, raise_on_error=False
     )
 
 
-def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
+def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards(tmp_path):
+    DEFS = shard_defs(project_at(tmp_path))
+    hidden_states = AssetKey("hidden_states")
     keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80", "rows_80-100"]
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("hidden_state_shards", keys)
-        assert run(instance, ["tokenized"]).success
-        assert run(instance, ["hidden_states"], "rows_0-20").success
-        assert run(instance, ["hidden_states"], "rows_20-40").success
+        assert run(DEFS, instance, ["tokenized"]).success
+        assert run(DEFS, instance, ["hidden_states"], "rows_0-20").success
+        assert run(DEFS, instance, ["hidden_states"], "rows_20-40").success
         # rows_40-60 materialized once, then its rerun failed: not "missing", but failed
-        assert run(instance, ["hidden_states"], "rows_40-60").success
+        assert run(DEFS, instance, ["hidden_states"], "rows_40-60").success
         failing.add("rows_40-60")
-        assert not run(instance, ["hidden_states"], "rows_40-60").success
+        assert not run(DEFS, instance, ["hidden_states"], "rows_40-60").success
         release.clear()
-        in_flight = threading.Thread(target=run, args=(instance, ["hidden_states"], "rows_60-80"))
+        in_flight = threading.Thread(target=run, args=(DEFS, instance, ["hidden_states"], "rows_60-80"))
         in_flight.start()
         try:
             deadline = time.monotonic() + 60
@@ -80,14 +106,14 @@ def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
             after_tick = evaluate_automation_conditions(
                 DEFS, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor
             )
-            requested = after_tick.get_requested_partitions(hidden_states.key)
+            requested = after_tick.get_requested_partitions(hidden_states)
             assert sorted(requested) == ["rows_40-60", "rows_80-100"]  # failed + missing; not done, not running
             # A shard `tokenized` registers between ticks is requested at once, alone.
             instance.add_dynamic_partitions("hidden_state_shards", ["rows_100-120"])
             registered = evaluate_automation_conditions(
                 DEFS, instance, evaluation_time=start + datetime.timedelta(minutes=16), cursor=after_tick.cursor
             )
-            assert sorted(registered.get_requested_partitions(hidden_states.key)) == ["rows_100-120"]
+            assert sorted(registered.get_requested_partitions(hidden_states)) == ["rows_100-120"]
         finally:
             release.set()
             in_flight.join(timeout=60)
@@ -98,52 +124,51 @@ def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards():
 bad_shards: set[str] = set()
 
 
-@asset(deps=[tokenized], automation_condition=data_condition())
-def vocab_map() -> None:
-    return None
-
-
-@asset_check(asset=hidden_states, name="shard_integrity", partitions_def=shards, blocking=True)
-def shard_integrity(context: AssetCheckExecutionContext) -> AssetCheckResult:
-    return AssetCheckResult(passed=context.partition_key not in bad_shards)
-
-
-def graph_defs(rolling: bool) -> Definitions:
+def graph_defs(project: Project) -> Definitions:
     """The product's conditions on stand-ins with the product's keys, deps and blocking shard check."""
+    tokenized = stand_in(project, "tokenized")
+    vocab_map = stand_in(project, "vocab_map", deps=[tokenized], automation_condition=data_condition(project))
+    hidden_states = stand_in(
+        project, "hidden_states", partitions_def=shards, deps=[tokenized],
+        automation_condition=shard_backfill_condition("*/15 * * * *", project),
+    )  # fmt: skip
 
-    @asset(deps=[vocab_map, hidden_states], automation_condition=drafter_condition(rolling))
-    def drafter() -> None:
-        return None
+    @asset_check(asset=hidden_states, name="shard_integrity", partitions_def=shards, blocking=True)
+    def shard_integrity(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        return AssetCheckResult(passed=context.partition_key not in bad_shards)
 
-    @asset(deps=[drafter], automation_condition=drafter_eval_condition())
-    def drafter_eval() -> None:
-        return None
-
+    drafter = stand_in(project, "drafter", deps=[vocab_map, hidden_states], automation_condition=drafter_condition(project))
+    drafter_eval = stand_in(project, "drafter_eval", deps=[drafter], automation_condition=drafter_eval_condition(project))
     return Definitions(assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval], asset_checks=[shard_integrity])
 
 
-@pytest.mark.parametrize("rolling", [False, True], ids=["offline", "rolling"])
-def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_follows(rolling):
-    defs = graph_defs(rolling)
-    job = defs.resolve_implicit_global_asset_job_def()
-    clock = [datetime.datetime(2026, 12, 1, 12, 1, tzinfo=datetime.UTC)]
-    cursor = [None]
+class Ticks:
+    """Materialize stand-ins, then one sensor tick (no cron tick passes): what it requests."""
 
-    def after(keys: list[str], partition: str | None = None, bad: str | None = None) -> list[str]:
-        """Materialize `keys` (the shard check fails on `bad`), then one sensor tick: what it requests."""
+    def __init__(self, instance, defs: Definitions):
+        self.instance, self.defs = instance, defs
+        self.clock = datetime.datetime(2026, 12, 1, 12, 1, tzinfo=datetime.UTC)
+        self.cursor = None
+
+    def after(self, keys: list[str], partition: str | None = None, bad: str | None = None) -> list[str]:
         bad_shards.clear()
         bad_shards.update([bad] if bad else [])
         if keys:
-            job.execute_in_process(
-                instance=instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition,
+            self.defs.resolve_implicit_global_asset_job_def().execute_in_process(
+                instance=self.instance, asset_selection=[AssetKey(k) for k in keys], partition_key=partition,
                 raise_on_error=False,
             )  # fmt: skip
-        clock[0] += datetime.timedelta(minutes=1)  # no cron tick: only these conditions fire
-        result = evaluate_automation_conditions(defs, instance, evaluation_time=clock[0], cursor=cursor[0])
-        cursor[0] = result.cursor
-        return sorted(k.to_user_string() for k in defs.resolve_all_asset_keys() if result.get_num_requested(k))
+        self.clock += datetime.timedelta(minutes=1)
+        result = evaluate_automation_conditions(self.defs, self.instance, evaluation_time=self.clock, cursor=self.cursor)
+        self.cursor = result.cursor
+        return sorted(k.to_user_string() for k in self.defs.resolve_all_asset_keys() if result.get_num_requested(k))
 
+
+@pytest.mark.parametrize("rolling", [False, True], ids=["offline", "rolling"])
+def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_follows(rolling, tmp_path):
+    project = project_at(tmp_path, training=TrainingSettings(mode="rolling" if rolling else "offline"))
     with instance_for_test() as instance:
+        after = Ticks(instance, graph_defs(project)).after
         instance.add_dynamic_partitions("hidden_state_shards", ["rows_0-20", "rows_20-40", "rows_40-45"])
         assert after([]) == []  # the sensor's first look starts nothing
         assert after(["tokenized"]) == ["vocab_map"]
@@ -153,11 +178,11 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_fol
         assert after(["hidden_states"], "rows_20-40") == []
         if rolling:
             # Training rolls from the first shard that passed its check; the rest land while it trains.
-            assert first_checked == ["drafter", "drafter_eval"]
+            assert first_checked == ["drafter"]
             return
         assert first_checked == []
         assert after(["hidden_states"], "rows_40-45", bad="rows_40-45") == []  # every shard in, one failed its check
-        assert after(["hidden_states"], "rows_40-45") == ["drafter", "drafter_eval"]
+        assert after(["hidden_states"], "rows_40-45") == ["drafter"]
         assert after([]) == []  # requested once
         assert after(["drafter"]) == ["drafter_eval"]
         assert after(["drafter_eval"]) == []
@@ -165,15 +190,10 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_fol
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):
     from eagle3_assets.defs.shards.automation import rolling_shard_backfill_condition
-    from eagle3_assets.project import Project
-    from eagle3_assets.settings import TrainingSettings
     from eagle3_assets.shard_window import record_consumed
-    from eagle3_assets.storage import ArtifactStore
-    from eagle3_assets_tests.conftest import tiny_settings
 
-    project = Project(
-        tiny_settings(training=TrainingSettings(mode="rolling", window_shards=2)), ArtifactStore(tmp_path / "store")
-    )
+    project = project_at(tmp_path, training=TrainingSettings(mode="rolling", window_shards=2))
+    tokenized = stand_in(project, "tokenized")
 
     @asset(
         name="hidden_states", partitions_def=shards, deps=[tokenized],
@@ -187,7 +207,7 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
     start = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("hidden_state_shards", keys)
-        assert run(instance, ["tokenized"]).success
+        assert run(defs, instance, ["tokenized"]).success
         first = evaluate_automation_conditions(defs, instance, evaluation_time=start)
         tick = evaluate_automation_conditions(defs, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor)
         assert sorted(tick.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]

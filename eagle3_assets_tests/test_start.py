@@ -37,7 +37,7 @@ def test_killed_mid_shard_the_same_command_resumes_and_redoes_nothing(tmp_path, 
         "3 shards registered, 1 finished, 2 to run",
         "hidden_states[rows_20-40]: starting", "hidden_states[rows_20-40]: ok",
         "hidden_states[rows_40-45]: starting", "hidden_states[rows_40-45]: ok",
-        "drafter: to run (shards ran)", "drafter: starting", "drafter: ok",
+        "drafter: to run (never materialized)", "drafter: starting", "drafter: ok",
         "finished",
     ]  # fmt: skip
     # The log carries the figures (the tiny settings report progress every 0.01 s).
@@ -125,3 +125,90 @@ def test_each_phase_shares_one_vllm_server_started_and_stopped_with_the_phase(tm
         ) == [(key, url) for key in SHARDS]
         responses = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization
         assert (responses.metadata["backend"].value, responses.metadata["rows_failed"].value) == ("vllm", 0)
+
+
+def ran(out: str) -> list[str]:
+    """The assets and shards a start command ran, in order."""
+    return [line.removesuffix(": starting") for line in started(out) if line.endswith(": starting")]
+
+
+def test_a_changed_setting_or_input_redoes_exactly_what_it_made_and_keeps_the_rest(tmp_path, tiny_target_dir):
+    """Each change through the one command: what runs, what it regenerates, what it keeps (issue 32)."""
+    import json
+
+    from eagle3_assets.demo.prompts import demo_prompt_sets
+    from eagle3_assets.responses import PARTS_DIR
+    from eagle3_assets.settings import GenerationSettings, TrainingSettings
+
+    from .conftest import TINY_DEMO, tiny_settings
+
+    prompts = tmp_path / "prompts.jsonl"
+    train, held = demo_prompt_sets(TINY_DEMO)
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in train[:40]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held[:4]))
+    base = dict(prompts=str(prompts), eval_prompts=str(tmp_path / "eval.jsonl"))
+    op = Operator(tmp_path, tiny_target_dir, **base)
+    store = op.project.store
+
+    def run_with(**changes) -> tuple[list[str], str]:
+        settings = tiny_settings(**{**base, **changes})
+        (tmp_path / "eagle3.yaml").write_text(settings.model_dump_json())
+        done = op.start("--through", "drafter")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return ran(done.stdout), done.stdout + done.stderr
+
+    def sample_mtimes() -> dict[str, float]:
+        root = op.root / "hidden_states"
+        return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.glob("rows_*/*.safetensors")}
+
+    first, _ = run_with()
+    assert first == ["prompts,target_model,responses,tokenized,token_freq,vocab_map", "hidden_states[rows_0-20]",
+                     "hidden_states[rows_20-40]", "drafter"]  # fmt: skip
+    files = sample_mtimes()
+
+    def responses_made() -> tuple[int, int]:
+        with op.instance() as instance:
+            meta = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization.metadata
+            return meta["rows_generated"].value, meta["rows_reused"].value
+
+    assert run_with()[0] == []  # nothing changed: nothing runs
+
+    done, log = run_with(draft_vocab_size=32)
+    assert done == ["vocab_map", "drafter"]
+    assert "vocab_map: to run (made from other inputs: setting draft_vocab_size: 64 -> 32)" in log
+    assert sample_mtimes() == files
+
+    done, log = run_with(draft_vocab_size=32, training=TrainingSettings(
+        lr=3e-4, batch_tokens=512, warmup_steps=2, epochs=1.0, checkpoint_every=5, heldout_rows=4))  # fmt: skip
+    assert done == ["drafter"]
+    assert "made from other inputs: setting training.lr: 0.0001 -> 0.0003" in log
+    assert "drafter: not resuming" in log and "settings.lr: checkpoint 0.0001, now 0.0003" in log
+    assert sample_mtimes() == files
+
+    tuned = dict(draft_vocab_size=32, generation=GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16))
+    done, log = run_with(**tuned)
+    assert done == ["responses,tokenized,token_freq,vocab_map", "hidden_states[rows_0-20]", "hidden_states[rows_20-40]",
+                    "drafter"]  # fmt: skip
+    assert "setting generation.max_new_tokens: 8 -> 6" in log
+    assert responses_made() == (40, 0)
+    files = sample_mtimes()
+
+    with prompts.open("a") as f:  # five prompts appended
+        f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
+    done, log = run_with(**tuned)
+    assert done == ["prompts,responses,tokenized,token_freq,vocab_map", "hidden_states[rows_40-45]", "drafter"]
+    assert responses_made() == (5, 40)
+    appended = sample_mtimes()
+    assert {k: v for k, v in appended.items() if not k.startswith("rows_40-45/")} == files
+
+    done, log = run_with(**tuned, demo=TINY_DEMO.model_copy(update={"seed": 1}))  # another target
+    assert done == ["target_model,responses,tokenized,token_freq,vocab_map", "hidden_states[rows_0-20]",
+                    "hidden_states[rows_20-40]", "hidden_states[rows_40-45]", "drafter"]  # fmt: skip
+    assert responses_made() == (45, 0)  # 0 of the old target's rows kept
+    again = sample_mtimes()
+    assert sorted(again) == sorted(appended) and not any(again[k] == appended[k] for k in again)  # 0 files kept
+    wiped = [line for line in log.splitlines() if "removed files made from other inputs" in line]
+    assert len(wiped) == 3 and all("input target_model: " in line for line in wiped), wiped
+    parts = [json.loads(line) for name in store.listdir(PARTS_DIR) if name.startswith("part-")
+             for line in store.read_text(f"{PARTS_DIR}/{name}").splitlines()]  # fmt: skip
+    assert len(parts) == 45 and len({r["made_by"] for r in parts}) == 45

@@ -468,6 +468,44 @@ def test_the_browser_shows_the_asset_graph_and_the_shard_partitions(ui, tmp_path
     (ARTIFACTS / "pages.json").write_text(json.dumps({"graph": graph, "partitions": parts, "shard": shard}, indent=1))
 
 
+def _reload(ui: Ui) -> None:
+    ui.query('mutation { reloadRepositoryLocation(repositoryLocationName: "eagle3_assets") { __typename } }')
+    wait_for("the code location to load again", lambda: _location_loaded(ui), timeout_s=300)
+
+
+def _staleness(ui: Ui, keys: list[str]) -> dict[str, dict]:
+    nodes = ui.query(
+        """query($keys: [AssetKeyInput!]) { assetNodes(assetKeys: $keys) {
+             assetKey { path } staleStatus staleCauses { key { path } category reason dependency { path } }
+             metadataEntries { label ... on TextMetadataEntry { text } } } }""",
+        {"keys": [{"path": [k]} for k in keys]},
+    )["assetNodes"]
+    return {n["assetKey"]["path"][0]: n for n in nodes}
+
+
+def test_a_changed_setting_shows_the_assets_it_made_stale_with_the_setting_named(ui):
+    config = Path(ui.project.store.url).parent / "eagle3.yaml"
+    original = config.read_text()
+    changed = ui.project.settings.model_copy(update={"draft_vocab_size": 32})
+    try:
+        config.write_text(yaml.safe_dump(changed.model_dump(mode="json")))
+        _reload(ui)
+        nodes = _staleness(ui, ["tokenized", "token_freq", "vocab_map"])
+        vocab_map = nodes["vocab_map"]
+        assert vocab_map["staleStatus"] == "STALE"
+        assert {"key": {"path": ["vocab_map"]}, "category": "CODE", "reason": "has a new code version", "dependency": None} in vocab_map["staleCauses"]
+        named = {e["label"]: e.get("text") for e in vocab_map["metadataEntries"]}
+        assert named["eagle3/stale_because"] == "setting draft_vocab_size: 64 -> 32"
+        # What does not read the setting is not stale, and names nothing.
+        for key in ["tokenized", "token_freq"]:
+            assert nodes[key]["staleStatus"] == "FRESH", nodes[key]
+            assert "eagle3/stale_because" not in {e["label"] for e in nodes[key]["metadataEntries"]}
+    finally:
+        config.write_text(original)
+        _reload(ui)
+    assert _staleness(ui, ["vocab_map"])["vocab_map"]["staleStatus"] == "FRESH"
+
+
 def test_make_ui_stops_webserver_daemon_and_code_servers_on_ctrl_c(tmp_path):
     port = free_port()
     env = {

@@ -15,6 +15,7 @@ from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
+from eagle3_assets.provenance import Inputs, expected
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -42,9 +43,11 @@ def train_and_export(
 ) -> DrafterRun:
     """Train on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each as it
     passes its check), then export once finished."""
+    # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
+    inputs = expected("drafter", Inputs(settings, store)).inputs
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
-        on_metrics=on_metrics, log=log, max_steps=max_steps,
+        on_metrics=on_metrics, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
     )  # fmt: skip
     summary = {
         "step": result.step,

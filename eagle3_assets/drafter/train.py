@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from eagle3_assets.drafter.checkpoint import (
     checkpoint_rel,
     latest_checkpoint,
     load_checkpoint,
+    read_checkpoint_state,
     save_checkpoint,
 )
 from eagle3_assets.drafter.data import (
@@ -62,6 +63,7 @@ from eagle3_assets.drafter.rolling import RollingLoader, RollingPlan, ShardWindo
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
 from eagle3_assets.drafter.tensorboard import TensorBoard
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
+from eagle3_assets.provenance import TRAINING_VOLATILE
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -72,6 +74,7 @@ ADAM_BETA1 = 0.9
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 LogFn = Callable[[str], None]
+OtherRun = Literal["fresh", "refuse"]  # what to do with a checkpoint another run made
 ShardEventCallback = Callable[[dict], None]
 # Rolling mode: how often a rank looks in the store for the next shard's check record.
 SHARD_POLL_S = 2.0
@@ -185,12 +188,15 @@ def run_fingerprint(
     num_heldout: int,
     world_size: int,
     total_steps: int,
+    inputs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint must agree on to be resumed: the data plan and the schedule."""
+    """What a checkpoint must agree on to be resumed: the data plan, the schedule and the versions of the data
+    (`inputs`: the target, tokenized rows and vocab map it trains on, docs/DESIGN.md §9)."""
     s = settings.model_dump()
-    for volatile in ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch"):
+    for volatile in TRAINING_VOLATILE:
         s.pop(volatile)
     return {
+        "inputs": dict(inputs or {}),
         "settings": s,
         "shards": list(shard_keys),
         "train_samples": num_train,
@@ -217,8 +223,9 @@ SETTINGS_ADDED_LATER: dict[str, Any] = {
 
 
 def with_settings_added_later(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """A saved run fingerprint with the behaviour of settings it predates filled in."""
-    return {**fingerprint, "settings": SETTINGS_ADDED_LATER | fingerprint.get("settings", {})}
+    """A saved run fingerprint with the behaviour of settings it predates filled in (a checkpoint from before
+    inputs were recorded has none: its data is unknown, so it resumes no run that names its inputs)."""
+    return {"inputs": {}, **fingerprint, "settings": SETTINGS_ADDED_LATER | fingerprint.get("settings", {})}
 
 
 def _diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
@@ -453,6 +460,7 @@ def _prepare(
     data_workers: int,
     log: LogFn,
     on_shard: ShardEventCallback | None,
+    inputs: Mapping[str, str] | None = None,
 ) -> _Run:
     window = None
     if settings.mode == "rolling":
@@ -485,24 +493,39 @@ def _prepare(
         head=head, loader=loader, heldout=held, optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, total)),
         param_names=[n for n, _ in named], total_steps=total,
-        fingerprint=run_fingerprint(settings, shard_keys, n_train, len(held), env.world_size, total),
+        fingerprint=run_fingerprint(settings, shard_keys, n_train, len(held), env.world_size, total, inputs),
         window=window, ledger=[] if settings.sample_ledger else None,
     )  # fmt: skip
 
 
-def _resume(run: _Run, log: LogFn) -> tuple[int, DataPosition, str, dict[str, float]]:
-    """(step, next data position, checkpoint, its last metrics) restored from the newest checkpoint."""
+def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPosition, str, dict[str, float]]:
+    """(step, next data position, checkpoint, its last metrics) restored from the newest checkpoint.
+
+    A checkpoint of another run (other data, another recipe) is never resumed: `other_run="refuse"` fails
+    naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0 (not in rolling
+    mode, where the shards that run consumed are gone: that one always refuses)."""
     rel = latest_checkpoint(run.store)
     if rel is None:
         return 0, DataPosition(), "", {}
+    saved = read_checkpoint_state(run.store, rel)
+    if diffs := _diff(with_settings_added_later(saved.state["run"]), run.fingerprint):
+        where = run.store.url_of(CHECKPOINTS_DIR)
+        if other_run == "fresh" and run.window is None:
+            if run.env.is_main:
+                log(f"drafter: not resuming {run.store.url_of(rel)}, made by another run ({'; '.join(diffs)}); "
+                    f"removing {where} and starting fresh")  # fmt: skip
+                run.store.remove(CHECKPOINTS_DIR, recursive=True)
+            barrier()
+            return 0, DataPosition(), "", {}
+        raise CheckpointError(
+            f"{run.store.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
+            f"remove {where} (or pass resume=False) to start over"
+            + ("; in rolling mode the shards it consumed are gone: extract them again (`--from hidden_states`)"
+               if run.window is not None else "")
+        )  # fmt: skip
     ck = load_checkpoint(
         run.store, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler
     )
-    if diffs := _diff(with_settings_added_later(ck.state["run"]), run.fingerprint):
-        raise CheckpointError(
-            f"{run.store.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
-            f"remove {run.store.url_of(CHECKPOINTS_DIR)} (or pass resume=False) to start over"
-        )
     pos = DataPosition(*ck.next_position)
     if run.env.is_main:
         log(f"drafter: resuming from {rel} (step {ck.step} of {run.total_steps}, epoch {pos.epoch} batch {pos.batch})")
@@ -529,13 +552,16 @@ def train_drafter(
     log_every: int = 10,
     data_workers: int = 2,
     on_shard: ShardEventCallback | None = None,
+    inputs: Mapping[str, str] | None = None,
+    other_run: OtherRun = "refuse",
 ) -> TrainResult:
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
     `on_metrics(step, metrics)` is called on rank 0 after every optimizer step (loss,
     loss_k, acc_k, lr, grad_norm, tokens, epoch, seconds). `max_steps` stops this call
     once the global step reaches it (a checkpoint is written there), e.g. to train in
-    time slices. `resume=False` ignores existing checkpoints. In rolling mode (`settings.mode`)
+    time slices. `resume=False` ignores existing checkpoints; `inputs` (the data's versions) and the settings
+    decide whether the newest checkpoint belongs to this run, and `other_run` what happens when it does not. In rolling mode (`settings.mode`)
     training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
     0 when one starts training and when it is released.
     """
@@ -545,9 +571,9 @@ def train_drafter(
     try:
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings,
-            intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard,
+            intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard, inputs=inputs,
         )  # fmt: skip
-        step, pos, ckpt_rel, metrics = _resume(run, log) if resume else (0, DataPosition(), "", {})
+        step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
         if env.is_main and not ckpt_rel:
             n_tokens = sum(s.length for s in run.loader.samples)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_assets.errors import Refusal
+from eagle3_assets.provenance import RECORD_NAME
 from eagle3_assets.sample_file import (
     CHECK_RECORD_NAME,
     MANIFEST_NAME,
@@ -180,7 +181,7 @@ def check_shard(
     statuses = inspect_rows(store, tokenized, shard, spec)
     problems = {f"{shard.key}/{s.row}{SAMPLE_SUFFIX}": s.problem for s in statuses if s.problem is not None}
 
-    expected_names = {f"{r}{SAMPLE_SUFFIX}" for r in shard.rows} | {MANIFEST_NAME, CHECK_RECORD_NAME}
+    expected_names = {f"{r}{SAMPLE_SUFFIX}" for r in shard.rows} | {MANIFEST_NAME, CHECK_RECORD_NAME, RECORD_NAME}
     for name in store.listdir(shard_dir(shard.key)):
         if name not in expected_names:
             problems[f"{shard.key}/{name}"] = "unexpected file (not a row of this shard)"

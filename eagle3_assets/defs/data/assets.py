@@ -20,12 +20,14 @@ from dagster import (
 from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import sync_shard_partitions
+from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.generation import open_generator
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, decode_prompts, dump_prompts, parse_prompts
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.sample_file import SampleSpec
+from eagle3_assets.provenance import bytes_digest, digest
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
@@ -67,6 +69,8 @@ def _read_source(path: str, setting: str) -> str:
 def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """The prompt set, validated line by line and copied into the store (demo: generated here)."""
     settings, store = project.settings, project.store
+    with failures():
+        want = Staleness(project).expected("prompts")
     if settings.prompts is None:
         text, eval_text = _demo_prompt_texts(project)
         source = "embedded demo prompts"
@@ -76,12 +80,19 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
     with failures():
         rows = parse_prompts(text, source)
         eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
-        nbytes = store.write_text(PROMPTS_FILE, dump_prompts(rows))
+        written = dump_prompts(rows)
+        nbytes = store.write_text(PROMPTS_FILE, written)
+        eval_written = dump_prompts(eval_rows) if eval_rows else ""
         if eval_rows:
-            store.write_text(EVAL_PROMPTS_FILE, dump_prompts(eval_rows))
+            store.write_text(EVAL_PROMPTS_FILE, eval_written)
+        elif store.exists(EVAL_PROMPTS_FILE):
+            store.remove(EVAL_PROMPTS_FILE)  # another prompt set's held-out rows must not be evaluated
+    version = materialized(project, want, bytes_digest(written.encode(), eval_written.encode()))
     preview = "\n".join(f"- `{p.id}`: {p.messages[-1]['content'][:120]}" for p in rows[:5])
     return MaterializeResult(
+        data_version=version["data_version"],
         metadata={
+            **version["metadata"],
             "rows": len(rows),
             "eval_rows": len(eval_rows),
             "bytes": nbytes,
@@ -115,6 +126,8 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
     """The target LLM: the configured HF directory, validated; in the demo, a small model built once and cached."""
     started = time.monotonic()
     built: dict[str, object] = {}
+    with failures():
+        want = Staleness(project).expected("target_model")
     if project.settings.is_demo:
         if _demo_target_current(project):
             context.log.info("demo target already built with these settings; reusing it")
@@ -126,8 +139,11 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
         tokenizer = load_tokenizer(target)
         reasoning = detect_format(tokenizer, project.settings.generation.reasoning)
     spec = SampleSpec(target.hidden_size, target.aux_layer_ids, project.settings.extraction.storage_dtype)
+    version = materialized(project, want)
     return MaterializeResult(
+        data_version=version["data_version"],
         metadata={
+            **version["metadata"],
             **to_metadata(target.as_metadata()),
             "reasoning_format": reasoning,
             "slow_tokenizer": not tokenizer.is_fast,
@@ -144,6 +160,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
     """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
     store, settings = project.store, project.settings
     with failures():
+        want = Staleness(project).expected("responses")
         store.check_writable(PARTS_DIR)  # before the model loads: on a large target that takes minutes
         rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
         target = project.target()
@@ -154,6 +171,8 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             stop_token_ids(target),
             settings.max_seq_len,
             settings.generation.chat_template_kwargs,
+            # Rows are reused by what made them, the prompt set aside: appended prompts keep the others.
+            made_by=digest({"settings": want.settings, "target_model": want.inputs["target_model"], "code": want.code}),
         )
         generator = open_generator(target, settings.generation, settings.vllm)
         try:
@@ -174,8 +193,11 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             + "; ".join(summary.first_errors)
         )
     meta = summary.as_metadata()
+    version = materialized(project, want, bytes_digest(store.read_bytes(RESPONSES_FILE)))
     return MaterializeResult(
+        data_version=version["data_version"],
         metadata={
+            **version["metadata"],
             **to_metadata({k: v for k, v in meta.items() if k != "first_errors"}),
             "error_rate": round(summary.rows_failed / max(1, summary.rows), 4),
             "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
@@ -191,6 +213,7 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
     """Each response as a training row, token-exact: prompt ids (mask 0) + generated ids (mask 1); registers shard keys."""
     store, settings = project.store, project.settings
     with failures():
+        want = Staleness(project).expected("tokenized")
         tset, summary = tokenize_responses(
             read_responses(store),
             max_seq_len=settings.max_seq_len,
@@ -205,7 +228,11 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
         store,
         metadata={"model": project.model_name, "max_seq_len": str(settings.max_seq_len), "row_order": row_order},
     )
-    keys = [s.key for s in plan_shards(tset.num_rows, settings.shard_size)]
+    shards = plan_shards(tset.num_rows, settings.shard_size)
+    keys = [s.key for s in shards]
+    # Each shard's rows, digested: a shard is extracted again only when its own rows changed.
+    shard_rows = {s.key: tset.rows_digest(s.start, s.end) for s in shards}
+    version = materialized(project, want, tset.rows_digest(0, tset.num_rows), extra={"shard_rows": shard_rows})
     stale = sync_shard_partitions(context.instance, keys)
     if stale:
         context.log.warning(f"removed shard keys that no longer match the row count: {stale}")
@@ -217,7 +244,9 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
         )
     fields = {k: v for k, v in vars(summary).items() if k != "unfinished_ids"}
     return MaterializeResult(
+        data_version=version["data_version"],
         metadata={
+            **version["metadata"],
             **to_metadata(fields),
             "unfinished_ids": MetadataValue.json(summary.unfinished_ids),
             "bytes": nbytes,
@@ -234,6 +263,7 @@ def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
     """How often each target token appears on loss-masked (generated) positions."""
     store = project.store
     with failures("tokenized"):
+        want = Staleness(project).expected("token_freq")
         vocab_size = project.target().vocab_size
         tset = TokenizedSet.load(store)
         try:
@@ -241,9 +271,12 @@ def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
         except ValueError as e:
             raise Failure(f"tokenized: {e}") from None
     nbytes = save_token_frequencies(store, freq)
+    version = materialized(project, want, bytes_digest(freq.tobytes()))
     top = np.argsort(-freq, kind="stable")[:10]
     return MaterializeResult(
+        data_version=version["data_version"],
         metadata={
+            **version["metadata"],
             "target_vocab": int(len(freq)),
             "distinct_tokens": int(np.count_nonzero(freq)),
             "loss_tokens": int(freq.sum()),
@@ -259,15 +292,19 @@ def vocab_map(project: ResourceParam[Project]) -> MaterializeResult:
     """d2t/t2d (docs/DESIGN.md §3): the `draft_vocab_size` most frequent target tokens."""
     store, settings = project.store, project.settings
     with failures("vocab_map"):
+        want = Staleness(project).expected("vocab_map")
         freq = load_token_frequencies(store)
         try:
             vmap = build_vocab_map(freq, settings.draft_vocab_size)
         except ValueError as e:
             raise Failure(f"vocab_map: {e}") from None
     nbytes = vmap.save(store)
+    version = materialized(project, want, bytes_digest(vmap.d2t.tobytes(), vmap.t2d.tobytes()))
     covered = int(freq[vmap.t2d].sum())
     return MaterializeResult(
+        data_version=version["data_version"],
         metadata={
+            **version["metadata"],
             "draft_vocab_size": int(len(vmap.d2t)),
             "target_vocab_size": int(len(vmap.t2d)),
             "distinct_tokens_seen": int(np.count_nonzero(freq)),

@@ -21,6 +21,7 @@ from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.ops.runs import GPU_POOL, TRAINER_POOL
 from eagle3_assets.defs.partitions import registered_shard_keys
+from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
 from eagle3_assets.drafter.evaluate import evaluate_drafter
@@ -67,6 +68,8 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
 
         Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`)."""
         store = project.store
+        with failures():
+            want = Staleness(project).expected("drafter")
         keys = registered_shard_keys(context.instance)
         if not keys:
             raise refusal("no hidden-state shards are registered: materialize `tokenized` first")
@@ -82,10 +85,12 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
 
         with failures():
             try:
-                return train_with_torchrun(context, project, watch=reporter.poll if reporter else lambda: None)
+                trained = train_with_torchrun(context, project, watch=reporter.poll if reporter else lambda: None)
             finally:
                 if reporter is not None:
                     reporter.poll(force=True)
+        version = materialized(project, want)
+        return MaterializeResult(data_version=version["data_version"], metadata={**trained.metadata, **version["metadata"]})
 
     return drafter
 
@@ -94,9 +99,14 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
 def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """The export served with the target in vLLM on held-out prompts: acceptance, and the features' share of it."""
     with failures():
+        want = Staleness(project).expected("drafter_eval")
         report = evaluate_drafter(project.store, project.target(), project.settings, log=context.log.info)
     if not report.outputs_match:
         raise Failure(
             "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
         )
-    return MaterializeResult(metadata=to_metadata(report.as_metadata()) | {"export": project.store.url_of(EXPORT_DIR)})
+    version = materialized(project, want)
+    return MaterializeResult(
+        data_version=version["data_version"],
+        metadata=to_metadata(report.as_metadata()) | {"export": project.store.url_of(EXPORT_DIR)} | version["metadata"],
+    )

@@ -6,14 +6,17 @@ check passed against that materialization: a shard missing, running, or failed i
 holds it back, as the drafter would refuse to train (`unusable_shards`). Rolling
 (`training.mode: rolling`) training consumes shards one by one as they pass their check,
 so it starts as soon as one shard has: the rest land while it trains.
-`drafter_eval` follows the drafter it evaluates.
+`drafter_eval` follows the drafter it evaluates. Both run again when they are due: made from other
+settings or inputs than the current ones (`defs/provenance.py`), once every input is current.
 """
 
 from __future__ import annotations
 
 from dagster import AssetSelection, AutomationCondition
 
+from eagle3_assets.defs.provenance import follows, inputs_current, stale
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.project import Project
 
 SHARDS = AssetSelection.assets(HIDDEN_STATES)
 
@@ -23,16 +26,16 @@ def _check_not_passed() -> AutomationCondition:
     return AutomationCondition.any_checks_match(~AutomationCondition.check_passed(), blocking_only=True)
 
 
-def drafter_condition(rolling: bool) -> AutomationCondition:
-    if rolling:
-        return _rolling_drafter_condition()
-    return (
-        AutomationCondition.eager()
-        & ~AutomationCondition.any_deps_match(_check_not_passed()).with_label("any_deps_blocking_checks_not_passed")
-    ).with_label("every shard materialized and checked, the vocab map too")
+def drafter_condition(project: Project) -> AutomationCondition:
+    if project.settings.training.mode == "rolling":
+        return _rolling_drafter_condition(project)
+    checked = ~AutomationCondition.any_deps_match(_check_not_passed()).with_label("any_deps_blocking_checks_not_passed")
+    return follows(project, inputs_current(project) & checked).with_label(
+        "due, with every shard current and checked, the vocab map too"
+    )
 
 
-def _rolling_drafter_condition() -> AutomationCondition:
+def _rolling_drafter_condition(project: Project) -> AutomationCondition:
     one_shard_checked = AutomationCondition.any_deps_match(
         AutomationCondition.all_checks_match(AutomationCondition.check_passed(), blocking_only=True)
     ).allow(SHARDS)
@@ -40,14 +43,19 @@ def _rolling_drafter_condition() -> AutomationCondition:
         AutomationCondition.missing() | AutomationCondition.in_progress() | _check_not_passed()
     ).ignore(SHARDS)
     # Once per absence: a failed or killed rolling run is started again when the next shard lands.
+    ready = one_shard_checked.with_label("a shard materialized and passed its check") & others_ready.with_label(
+        "vocab map and target ready"
+    )
     return (
-        AutomationCondition.missing()
-        & (AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()).since_last_handled()
-        & one_shard_checked.with_label("a shard materialized and passed its check")
-        & others_ready.with_label("vocab map and target ready")
-        & ~AutomationCondition.in_progress()
+        (
+            AutomationCondition.missing()
+            & (AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()).since_last_handled()
+            & ready
+            & ~AutomationCondition.in_progress()
+        )
+        | stale(project, ready)
     ).with_label("rolling: the first checked shard starts training")
 
 
-def drafter_eval_condition() -> AutomationCondition:
-    return AutomationCondition.eager().with_label("after each new drafter")
+def drafter_eval_condition(project: Project) -> AutomationCondition:
+    return follows(project, inputs_current(project)).with_label("after each new drafter")

@@ -17,10 +17,12 @@ from eagle3_assets.defs.data.assets import target_model, tokenized
 from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
+from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.leases import server_lease
 from eagle3_assets.hidden_states import open_extractor
 from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
 from eagle3_assets.project import Project
+from eagle3_assets.provenance import claim_dir
 from eagle3_assets.sample_file import SampleSpec, shard_dir
 from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shard_window import Window
@@ -61,6 +63,10 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
             context.log.info(progress.summary())
 
         with failures(f"shard {shard.key}"), ExitStack() as stack:
+            want = Staleness(project).expected("hidden_states", shard.key)
+            # Files extracted from another target, other rows or other settings are never reused.
+            if causes := claim_dir(store, shard_dir(shard.key), want):
+                context.log.warning(f"shard {shard.key}: removed files made from other inputs ({'; '.join(causes)})")
             target = project.target()
             tset = TokenizedSet.load(store)
             spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype, project.model_name)
@@ -86,8 +92,10 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
                     context.log.info(note)
             else:
                 context.log.info(f"shard {shard.key}: every row is valid and its manifest agrees; nothing to extract")
+        version = materialized(project, want, partition=shard.key)
         return MaterializeResult(
-            metadata=to_metadata(
+            data_version=version["data_version"],
+            metadata=version["metadata"] | to_metadata(
                 {
                     **final,
                     **result.as_metadata(),

@@ -7,7 +7,9 @@ unless it is running or its inputs are missing (docs/DESIGN.md §7). Shards that
 carries on to its shards without waiting for the cron. In rolling mode
 (`training.mode: rolling`) only the shards the window admits are requested: extraction
 never runs more than `training.window_shards` shards ahead of training. The window is
-read from the store, so that condition runs in the code location (`InRollingWindow`).
+read from the store, so that condition runs in the code location (`InRollingWindow`). A shard made from
+other inputs (another target, other rows, other extraction settings: `defs/provenance.py`) is requested
+as soon as its inputs are current.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dagster import AutomationCondition, AutomationContext, AutomationResult
 
 from eagle3_assets.defs.partitions import registered_shard_keys
+from eagle3_assets.defs.provenance import inputs_current, stale
 from eagle3_assets.project import Project
 from eagle3_assets.shard_window import Window
 
@@ -36,15 +39,16 @@ class InRollingWindow(AutomationCondition):
         return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(set(window.admitted())))
 
 
-def shard_backfill_condition(cron: str) -> AutomationCondition:
-    return (_missing_or_failed(cron) | _newly_registered()).with_label(
-        f"new shards at once; missing or failed shards every tick of {cron}"
+def shard_backfill_condition(cron: str, project: Project) -> AutomationCondition:
+    return (_missing_or_failed(cron) | _newly_registered() | stale(project, inputs_current(project))).with_label(
+        f"new or stale shards at once; missing or failed shards every tick of {cron}"
     )
 
 
 def rolling_shard_backfill_condition(cron: str, project: Project) -> AutomationCondition:
-    return ((_missing_or_failed(cron) | _newly_registered()) & InRollingWindow(project)).with_label(
-        f"new shards at once, missing or failed shards every tick of {cron}; within the rolling window"
+    triggers = _missing_or_failed(cron) | _newly_registered() | stale(project, inputs_current(project))
+    return (triggers & InRollingWindow(project)).with_label(
+        f"new or stale shards at once, missing or failed shards every tick of {cron}; within the rolling window"
     )
 
 

@@ -1,0 +1,207 @@
+"""Provenance in Dagster's terms, and the one rule for what is due, shared by the start command and the daemon.
+
+Each asset's `code_version` is a digest of the settings fields it reads (and its code revision), so a
+changed setting shows in the UI as a new code version; each materialization carries the artifact's data
+version (`DataVersion`) and its provenance as metadata, and the same record is written beside the artifact
+in the store (`eagle3_assets/provenance.py`). Dagster then marks an asset stale when its code version or
+an input's data version moved, and names the cause.
+
+`Due` is the rule both doors follow: an asset (or a shard) is due when it was never materialized, or when
+what the current settings and inputs would make differs from its record (`why_due`). The start command
+calls `why_due` for every asset in graph order; the automation conditions hold `ProvenanceChanged`, the
+same function as an `AutomationCondition`, evaluated in the code location.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dagster import (
+    AssetKey,
+    AssetSpec,
+    AssetRecordsFilter,
+    AutomationCondition,
+    AutomationContext,
+    AutomationResult,
+    DagsterInstance,
+    DataVersion,
+    MetadataValue,
+)
+
+from eagle3_assets.project import Project
+from eagle3_assets.provenance import (
+    CODE_REVISION,
+    Inputs,
+    Provenance,
+    Record,
+    current_problem,
+    digest,
+    expected,
+    read_record,
+    settings_read,
+    write_record,
+)
+from eagle3_assets.settings import Settings
+
+MADE_FROM = "eagle3/made_from"
+
+
+def code_version(asset: str, settings: Settings) -> str:
+    """What Dagster compares to call an asset's code changed: the settings it reads and its code revision."""
+    return f"r{CODE_REVISION[asset]}-{digest(settings_read(asset, settings))}"
+
+
+def materialized(
+    project: Project, want: Provenance, version: str | None = None, *, partition: str | None = None, extra: dict | None = None
+) -> dict[str, Any]:
+    """Write the artifact's record (after the artifact itself is complete) and return the `MaterializeResult`
+    fields that carry it: `data_version` and the provenance in the metadata. `version` is a digest of the
+    artifact's content where that is cheap; else the provenance stands for it."""
+    record = Record(want, version or want.made_from, extra or {})
+    write_record(project.store, record, partition)
+    return {
+        "data_version": DataVersion(record.version),
+        "metadata": {
+            MADE_FROM: want.made_from,
+            "provenance": MetadataValue.json({"settings": want.settings, "inputs": want.inputs, "code": want.code}),
+        },
+    }
+
+
+class Staleness:
+    """One look at what the store holds against what the current settings would make (outside files read once)."""
+
+    def __init__(self, project: Project):
+        self.project = project
+        self.inputs = Inputs(project.settings, project.store)
+
+    def expected(self, asset: str, partition: str | None = None) -> Provenance:
+        return expected(asset, self.inputs, partition)
+
+    def problem(self, asset: str, partition: str | None = None) -> str | None:
+        """Why the artifact is not what the settings would make now, or None."""
+        return current_problem(self.project.store, self.expected(asset, partition), partition)
+
+
+def why_due(instance: DagsterInstance, staleness: Staleness, key: AssetKey, partition: str | None = None) -> str | None:
+    """The rule: None when `key` (or its `partition`) is materialized and its record is what the settings and
+    inputs would make now; else why it must run."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None), limit=1
+    ).records
+    if not records:
+        return "never materialized"
+    return staleness.problem(key.to_user_string(), partition)
+
+
+class ProvenanceChanged(AutomationCondition):
+    """True for the asset partitions that `why_due` finds due: never materialized, or made from other inputs."""
+
+    def __init__(self, project: Project):
+        self.project = project
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return "made from other settings or inputs than the current ones (or never materialized)"
+
+    @property
+    def name(self) -> str:
+        return "provenance_changed"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        staleness = Staleness(self.project)
+        instance = context.asset_graph_view.instance
+        key = context.key
+        due = set()
+        for asset_partition in context.candidate_subset.expensively_compute_asset_partitions():
+            if why_due(instance, staleness, key, asset_partition.partition_key) is not None:
+                due.add(asset_partition)
+        return AutomationResult(context, context.asset_graph_view.get_asset_subset_from_asset_partitions(key, due))
+
+
+class AncestorDue(AutomationCondition):
+    """True when anything upstream of the asset is due (`why_due`, any shard of a partitioned one): its inputs
+    are about to change, so making it now would be made again. Upstream, not only its direct inputs: after a
+    target change the shards must wait for `responses` and `tokenized`, not run at once on the old rows."""
+
+    def __init__(self, project: Project):
+        self.project = project
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return "an upstream asset is due"
+
+    @property
+    def name(self) -> str:
+        return "ancestor_due"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        graph, instance = context.asset_graph, context.asset_graph_view.instance
+        staleness = Staleness(self.project)
+        todo, seen = list(graph.get(context.key).parent_keys), set()
+        while todo:
+            key = todo.pop()
+            if key in seen:
+                continue
+            seen.add(key)
+            node = graph.get(key)
+            partitions = (
+                instance.get_dynamic_partitions(node.partitions_def.name) if node.partitions_def is not None else [None]
+            )
+            if any(why_due(instance, staleness, key, p) is not None for p in partitions):
+                return AutomationResult(context, context.candidate_subset)
+            todo.extend(node.parent_keys)
+        return AutomationResult(context, context.get_empty_subset())
+
+
+def inputs_current(project: Project) -> AutomationCondition:
+    """Nothing upstream is due, and no input is running: what the asset would read is what the settings make now."""
+    return (~AncestorDue(project) & ~AutomationCondition.any_deps_in_progress()).with_label("every input current")
+
+
+def root_condition(project: Project) -> AutomationCondition:
+    """A root (`prompts`, `target_model`) made from other settings or outside files (an appended prompt file, another
+    target) is made again; one never materialized is left to a person, who starts the graph."""
+    return stale(project, ~AutomationCondition.in_progress())
+
+
+def stale(project: Project, ready: AutomationCondition) -> AutomationCondition:
+    """Requested when a materialized asset becomes due (`why_due`: made from other settings or inputs) while
+    `ready` holds, or when its settings changed (a new code version) and it is due: once, so a refusal is not
+    requested again until something changes. What was never materialized is left to the other conditions
+    (the sensor's first look starts nothing)."""
+    due = ProvenanceChanged(project) & ~AutomationCondition.missing()
+    return (
+        ((due & ready).newly_true() | (AutomationCondition.code_version_changed() & due & ready))
+        & ~AutomationCondition.in_progress()
+    ).with_label("made from other settings or inputs")
+
+
+def follows(project: Project, ready: AutomationCondition) -> AutomationCondition:
+    """Made the first time once an input is updated (Dagster's `eager`), made again when it is `stale`."""
+    first = AutomationCondition.missing() & AutomationCondition.eager() & ready
+    return first.with_label("never materialized, an input updated") | stale(project, ready)
+
+
+STALE_BECAUSE = "eagle3/stale_because"
+
+
+def settings_changed(project: Project, asset: str) -> str | None:
+    """Which settings the artifact in the store was made with differ from the current ones, named one by one;
+    None when none do or nothing is recorded. Read as the code location loads: records only, no outside file."""
+    record = read_record(project.store, asset)
+    if record is None:
+        return None
+    now = Provenance(asset, settings_read(asset, project.settings), record.provenance.inputs, CODE_REVISION[asset])
+    return "; ".join(record.provenance.changes(now)) or None
+
+
+def with_provenance(spec: AssetSpec, project: Project) -> AssetSpec:
+    """The asset as the UI shows it: its code version from the settings it reads and, when the store holds an
+    artifact made with other settings, which ones (the UI's stale badge says that the code version changed)."""
+    name = spec.key.to_user_string()
+    changed = None if spec.partitions_def is not None else settings_changed(project, name)
+    metadata = {**spec.metadata, **({STALE_BECAUSE: changed} if changed else {})}
+    return spec.replace_attributes(code_version=code_version(name, project.settings), metadata=metadata)

@@ -1,0 +1,369 @@
+"""What made each artifact: a record beside it in the store, and the record the current settings would make.
+
+Every asset's artifact is tied to exactly what determines its content (docs/DESIGN.md §9):
+- the settings fields the asset reads (`SETTINGS_READ`), and nothing else;
+- its inputs' versions: each parent's recorded data version, and for the roots the content of
+  what they read from outside (the prompt files; the target's config, tokenizer, chat template
+  and a sampled digest of its weights, `target_identity`);
+- a code revision (`CODE_REVISION`), raised when a change of code changes what the asset makes.
+
+`Provenance.made_from` hashes those; the record beside the artifact (`_PROVENANCE.json`) keeps the
+whole provenance and the artifact's data version (a digest of its content where that is cheap,
+`made_from` where it is not), so it survives a lost Dagster instance and names what changed
+(`Provenance.changes`). An artifact is current when its record's `made_from` equals what `expected`
+computes now from the settings, the outside files and the parents' records.
+
+Partial work is reused only under the provenance it was made with: a shard directory keeps the
+record it was extracted under (`claim_dir`), a response part stamps each row, a checkpoint holds the
+drafter's provenance in its run fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.settings import Settings, TrainingSettings
+from eagle3_assets.storage import ArtifactStore
+
+RECORD_NAME = "_PROVENANCE.json"
+
+# Raise an asset's revision when a code change alters what it makes from the same inputs: every
+# artifact it made before is then stale and redone.
+CODE_REVISION: dict[str, int] = {
+    "prompts": 1,
+    "target_model": 1,
+    "responses": 1,
+    "tokenized": 1,
+    "token_freq": 1,
+    "vocab_map": 1,
+    "hidden_states": 1,
+    "drafter": 1,
+    "drafter_eval": 1,
+}
+
+# Where each asset's record lives (a shard's in its own directory).
+RECORD_DIRS: dict[str, str] = {
+    "prompts": "prompts",
+    "target_model": "target_model",
+    "responses": "responses",
+    "tokenized": "tokenized",
+    "token_freq": "token_freq",
+    "vocab_map": "vocab_map",
+    "hidden_states": "hidden_states",
+    "drafter": "drafter",
+    "drafter_eval": "drafter_eval",
+}
+
+# The inputs whose recorded versions an asset's content depends on (its Dagster deps, plus `tokenized`
+# for the drafter: the shards' rows, known before every shard exists, as rolling mode needs).
+PARENTS: dict[str, tuple[str, ...]] = {
+    "prompts": (),
+    "target_model": (),
+    "responses": ("prompts", "target_model"),
+    "tokenized": ("responses",),
+    "token_freq": ("tokenized", "target_model"),
+    "vocab_map": ("token_freq",),
+    "hidden_states": ("target_model",),  # and the shard's own rows, from tokenized's record
+    "drafter": ("target_model", "tokenized", "vocab_map"),
+    "drafter_eval": ("drafter", "prompts", "target_model"),
+}
+
+# Training settings that change how a run is carried out, not what it learns (also left out of a
+# checkpoint's run fingerprint, `drafter/train.py`).
+TRAINING_VOLATILE = ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch")
+
+
+class ProvenanceError(Eagle3Error, RuntimeError):
+    """A provenance record or an input it needs cannot be read; the message names the file."""
+
+
+def digest(obj: Any) -> str:
+    """A short, stable hash of a JSON-able value (keys sorted)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def bytes_digest(*chunks: bytes) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(len(chunk).to_bytes(8, "little"))
+        h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _field(settings: Settings, path: str) -> Any:
+    value: Any = settings
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+
+def settings_read(asset: str, settings: Settings) -> dict[str, Any]:
+    """The settings fields that determine `asset`'s content, by dotted name; nothing else.
+
+    Left out on purpose: how work is carried out (batch sizes of the engines, backends whose output is
+    checked equal, retries, timeouts, progress intervals, servers), which never changes the artifact."""
+    fields: tuple[str, ...]
+    if asset == "prompts":
+        fields = ("demo.num_prompts", "demo.seed") if settings.prompts is None else ("prompts", "eval_prompts")
+    elif asset == "target_model":
+        fields = ("demo",) if settings.is_demo else ("target_model", "trust_remote_code")
+    elif asset == "responses":
+        fields = ("max_seq_len",) + tuple(
+            f"generation.{f}"
+            for f in ("max_new_tokens", "temperature", "top_p", "seed", "reasoning", "chat_template_kwargs")
+        )
+    elif asset == "tokenized":
+        fields = ("max_seq_len", "overlong", "unfinished_responses", "shard_size", "training.mode")
+        if settings.training.mode == "rolling":  # rolling shuffles the rows with the training seed
+            fields += ("training.seed",)
+    elif asset == "token_freq":
+        fields = ()
+    elif asset == "vocab_map":
+        fields = ("draft_vocab_size",)
+    elif asset == "hidden_states":
+        fields = ("aux_layer_ids", "extraction.storage_dtype")
+    elif asset == "drafter":
+        learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_VOLATILE]
+        fields = ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
+    elif asset == "drafter_eval":
+        fields = ("evaluation.max_new_tokens", "generation.max_new_tokens", "generation.chat_template_kwargs")
+    else:
+        raise KeyError(asset)
+    return {f: _field(settings, f) for f in fields}
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What an artifact is made from. Equal `made_from` means the same content, by construction."""
+
+    asset: str
+    settings: dict[str, Any]
+    inputs: dict[str, str]  # input name -> version (a parent's data version, an outside file's digest)
+    code: int
+
+    @property
+    def made_from(self) -> str:
+        return digest(asdict(self))
+
+    def changes(self, now: Provenance) -> list[str]:
+        """What differs between this (recorded) provenance and `now`, one phrase each, settings first."""
+        out = []
+        for name in sorted(set(self.settings) | set(now.settings)):
+            a, b = self.settings.get(name, "(unset)"), now.settings.get(name, "(unset)")
+            if a != b:
+                out.append(f"setting {name}: {_short(a)} -> {_short(b)}")
+        for name in sorted(set(self.inputs) | set(now.inputs)):
+            a, b = self.inputs.get(name, "none"), now.inputs.get(name, "none")
+            if a != b:
+                out.append(f"input {name}: {a} -> {b}")
+        if self.code != now.code:
+            out.append(f"code revision {self.code} -> {now.code}")
+        return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class Record:
+    """The provenance of an artifact and its data version, as kept beside it."""
+
+    provenance: Provenance
+    version: str  # the data version: Dagster's, and what children record as this input
+    extra: dict[str, Any] = field(default_factory=dict)  # tokenized: each shard's rows digest
+
+    @property
+    def made_from(self) -> str:
+        return self.provenance.made_from
+
+    def as_json(self) -> dict[str, Any]:
+        return {"made_from": self.made_from, "version": self.version, **asdict(self.provenance), "extra": self.extra}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Record:
+        p = Provenance(body["asset"], dict(body["settings"]), dict(body["inputs"]), int(body["code"]))
+        return cls(p, str(body["version"]), dict(body.get("extra") or {}))
+
+
+def record_path(asset: str, partition: str | None = None) -> str:
+    base = RECORD_DIRS[asset]
+    return f"{base}/{partition}/{RECORD_NAME}" if partition else f"{base}/{RECORD_NAME}"
+
+
+def read_record(store: ArtifactStore, asset: str, partition: str | None = None) -> Record | None:
+    """The record beside the artifact, None when there is none (never made, or made before records were kept)."""
+    rel = record_path(asset, partition)
+    if not store.exists(rel):
+        return None
+    try:
+        return Record.from_json(store.read_json(rel))
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable is as good as absent: the artifact is redone, never trusted
+
+
+def write_record(store: ArtifactStore, record: Record, partition: str | None = None) -> None:
+    store.write_json(record_path(record.provenance.asset, partition), record.as_json())
+
+
+# --- the outside inputs -------------------------------------------------------------------------
+
+TARGET_TEXT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+WEIGHT_SAMPLES = 3  # blocks read from each weight file: after its header, in the middle, at the end
+WEIGHT_SAMPLE_BYTES = 64 << 10
+
+
+def target_identity(url: str) -> str:
+    """A digest of the target model at `url` (local path or fsspec URL), cheap on a 1 TB checkpoint.
+
+    Hashed whole: the config, generation config, tokenizer files and chat template. Each
+    `*.safetensors` weight file: its size, its header (every tensor's name, dtype, shape and offsets)
+    and three 64 KiB blocks of its data (start, middle, end). A 1 TB checkpoint in 64 files costs about
+    64 x (header + 192 KiB) read, well under a second on local disk. `*.bin`/`*.pt` files: size only."""
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    except (OSError, FileNotFoundError) as e:
+        raise ProvenanceError(f"target model {url}: cannot be listed: {e}") from None
+    parts: dict[str, str] = {}
+    for name in names:
+        path = f"{root.rstrip('/')}/{name}"
+        if name in TARGET_TEXT_FILES:
+            parts[name] = bytes_digest(fs.cat_file(path))
+        elif name.endswith(".safetensors"):
+            parts[name] = _weights_digest(fs, path)
+        elif name.endswith((".bin", ".pt", ".gguf")):
+            parts[name] = f"size {fs.size(path)}"
+    return digest(parts)
+
+
+def _weights_digest(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    size = fs.size(path)
+    head = fs.cat_file(path, 0, min(size, 8))
+    header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    data_start = min(size, 8 + header_len)
+    header = fs.cat_file(path, 0, data_start)
+    span = size - data_start
+    blocks = []
+    for i in range(WEIGHT_SAMPLES):
+        start = data_start + (span - WEIGHT_SAMPLE_BYTES) * i // max(1, WEIGHT_SAMPLES - 1) if span > WEIGHT_SAMPLE_BYTES else data_start
+        blocks.append(fs.cat_file(path, start, min(size, start + WEIGHT_SAMPLE_BYTES)))
+    return bytes_digest(str(size).encode(), header, *blocks)
+
+
+def source_digest(url: str | None) -> str:
+    """The digest of an outside file's bytes (a prompt file), or 'none' when none is configured."""
+    if url is None:
+        return "none"
+    try:
+        with fsspec.open(url, "rb") as f:
+            return bytes_digest(f.read())
+    except OSError as e:
+        raise ProvenanceError(f"{url}: cannot be read: {e}") from None
+
+
+# --- what the current settings would make -------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    """Where `expected` finds the versions of what it depends on; `outside` digests are computed once."""
+
+    settings: Settings
+    store: ArtifactStore
+    _outside: dict[str, str] = field(default_factory=dict)
+
+    def outside(self, name: str) -> str:
+        if name not in self._outside:
+            s = self.settings
+            if name == "prompts file":
+                self._outside[name] = source_digest(s.prompts)
+            elif name == "eval prompts file":
+                self._outside[name] = source_digest(s.eval_prompts)
+            elif name == "target files":
+                # The demo target is made from its settings alone (`settings_read`).
+                self._outside[name] = target_identity(s.target_model) if s.target_model else "demo"
+            else:
+                raise KeyError(name)
+        return self._outside[name]
+
+    def parent(self, asset: str) -> str:
+        record = read_record(self.store, asset)
+        return record.version if record is not None else "none"
+
+    def shard_rows(self, partition: str) -> str:
+        record = read_record(self.store, "tokenized")
+        return str(record.extra.get("shard_rows", {}).get(partition, "none")) if record is not None else "none"
+
+
+def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Provenance:
+    """The provenance `asset` (or one shard) would have if made now from the current settings and inputs."""
+    s = inputs.settings
+    versions: dict[str, str] = {p: inputs.parent(p) for p in PARENTS[asset]}
+    if asset == "prompts" and s.prompts is not None:
+        versions["prompts file"] = inputs.outside("prompts file")
+        versions["eval prompts file"] = inputs.outside("eval prompts file")
+    elif asset == "target_model" and not s.is_demo:
+        versions["target files"] = inputs.outside("target files")
+    elif asset == "hidden_states":
+        if partition is None:
+            raise ValueError("hidden_states provenance is per shard")
+        versions["rows"] = inputs.shard_rows(partition)
+    return Provenance(asset, settings_read(asset, s), versions, CODE_REVISION[asset])
+
+
+def current_problem(store: ArtifactStore, want: Provenance, partition: str | None = None) -> str | None:
+    """Why the artifact in the store is not what `want` would make, or None when it is."""
+    record = read_record(store, want.asset, partition)
+    if record is None:
+        return "no provenance record (never made, or made before provenance was kept)"
+    if record.made_from == want.made_from:
+        return None
+    changes = record.provenance.changes(want)
+    return "made from other inputs: " + "; ".join(changes) if changes else "made from other inputs"
+
+
+def claim_dir(store: ArtifactStore, rel_dir: str, want: Provenance, *, keep: Callable[[str], bool] = lambda _: False) -> list[str]:
+    """Make `rel_dir` hold only work made under `want`: when its record differs (or is missing while files are
+    there), every file in it goes first; then the record is written. Returns the changes that caused a wipe
+    (empty when the directory was current or empty). `keep(name)` spares files that are not the work."""
+    rel = f"{rel_dir}/{RECORD_NAME}"
+    record = None
+    if store.exists(rel):
+        try:
+            record = Record.from_json(store.read_json(rel))
+        except (ValueError, KeyError, TypeError):
+            record = None
+    if record is not None and record.made_from == want.made_from:
+        return []
+    names = [n for n in store.listdir(rel_dir) if n != RECORD_NAME and not keep(n)]
+    causes: list[str] = []
+    if names:
+        causes = record.provenance.changes(want) if record is not None else ["no provenance record"]
+        for name in names:
+            store.remove(f"{rel_dir}/{name}", recursive=True)
+    store.write_json(rel, Record(want, want.made_from).as_json())
+    return causes or ([] if not names else ["made from other inputs"])
