@@ -104,7 +104,11 @@ def parse_prompts(text: str, source: str) -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptsError(f"{where}, column {e.colno}: malformed JSON ({e.msg})") from None
+            # json's messages end where its position goes ("Unterminated string starting at"): the column ends them.
+            raise PromptsError(
+                f"{where}, column {e.colno}: malformed JSON ({e.msg.removesuffix(' at')} at line {lineno}, column "
+                f"{e.colno}); fix the line"
+            ) from None
         prompt = _parse_line(obj, where, lineno)
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")

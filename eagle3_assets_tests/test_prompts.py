@@ -19,8 +19,8 @@ def test_prompt_and_messages_forms():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"prompt": "ok"}\n{"prompt": "fine"\n', r"p\.jsonl:2, column 18: malformed JSON \(Expecting ',' delimiter\)$"),
-        ('{"prompt": "ok"}\n{"prompt": "fine\n', r"p\.jsonl:2, column 12: malformed JSON \(Unterminated string starting at\)$"),
+        ('{"prompt": "ok"}\n{"prompt": "fine"\n', r"p\.jsonl:2, column 18: malformed JSON \(Expecting ',' delimiter at line 2, column 18\); fix the line$"),
+        ('{"prompt": "ok"}\n{"prompt": "fine\n', r"^p\.jsonl:2, column 12: malformed JSON \(Unterminated string starting at line 2, column 12\); fix the line$"),
         ('{"prompt": "ok"}\n{"id": "s", "prompt": "a \\ud800 b"}\n', r"p\.jsonl:2 \(id s\): '\\ud800' is half of a UTF-16 surrogate pair"),
         ('{"id": "x", "prompt": "   "}\n', r"p\.jsonl:1 \(id x\): empty prompt"),
         ('{"prompt": 3}\n', r"p\.jsonl:1 \(id line-1\): 'prompt' must be a string, got int"),
