@@ -247,7 +247,7 @@ def memory_hint(log: str) -> str:
 
 def cpu_env(vllm: VllmSettings) -> dict[str, str]:
     """The CPU build sizes its KV cache from the environment, not from a flag."""
-    return {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": f"{vllm.cpu_kv_cache_gib:g}"}
+    return {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": str(vllm.cpu_kv_cache_gib)}
 
 
 def _remove_request_files(storage: Path) -> None:
