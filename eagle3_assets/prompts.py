@@ -31,6 +31,7 @@ class Prompt:
     messages: list[dict[str, Any]]
     extra: dict[str, Any] = field(default_factory=dict)  # other fields (e.g. the demo's `kind`), kept as-is
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)  # file:line it was parsed from, for errors about it
 
     def template_kwargs(self, run_wide: Mapping[str, Any]) -> dict[str, Any]:
         """What the chat template renders this prompt with: the run-wide kwargs, this prompt's over them."""
@@ -76,7 +77,7 @@ def _parse_line(obj: Any, where: str, lineno: int) -> Prompt:
     else:
         raise PromptsError(f"{where} (id {pid}): needs a 'prompt' string or a 'messages' list")
     _check_fact_spans(obj, f"{where} (id {pid})")
-    return Prompt(pid, messages, extra, kwargs)
+    return Prompt(pid, messages, extra, kwargs, where)
 
 
 def _check_fact_spans(obj: dict[str, Any], where: str) -> None:

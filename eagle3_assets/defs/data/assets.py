@@ -17,6 +17,7 @@ from dagster import (
     asset,
 )
 
+from eagle3_assets.chat import check_template_kwargs
 from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import sync_shard_partitions
@@ -155,6 +156,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             settings.max_seq_len,
             settings.generation.chat_template_kwargs,
         )
+        check_template_kwargs(tokenizer, rows, settings.generation.chat_template_kwargs)  # before the model loads
         generator = open_generator(target, settings.generation, settings.vllm)
         try:
             summary = generate_responses(
