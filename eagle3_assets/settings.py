@@ -51,7 +51,9 @@ class GenerationSettings(_Section):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="extra variables for the chat template of every prompt (e.g. {enable_thinking: false}); a "
-        "prompt line's own `chat_template_kwargs` override these per key; a name the template never reads is refused",
+        "prompt line's own `chat_template_kwargs` override these per key; a kwarg the rendering does not change with, "
+        "one that shadows the template's own variables or is of another type than the template compares it with, "
+        "is refused",
     )
 
 
