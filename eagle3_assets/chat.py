@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import jinja2
 from jinja2 import nodes
 from transformers import PreTrainedTokenizerBase
 
@@ -97,16 +99,25 @@ def _constants(node: nodes.Node) -> list[Any]:
     return []
 
 
-def compared_values(tokenizer: PreTrainedTokenizerBase) -> dict[str, list[Any]]:
-    """Per variable of the chat template, the constants it is compared with (`x is false`, `x == "high"`, `x in
-    ["low", "high"]`): what tells which type the template expects."""
+@dataclass(frozen=True)
+class TemplateUses:
+    """How the chat template uses its variables: what tells which type it expects of a kwarg."""
+
+    compared: dict[str, list[Any]]  # the constants a variable is compared with (`x is false`, `x in ["a", "b"]`)
+    conditions: frozenset[str]  # variables tested for truth as they are (`{% if x %}`, `not x`, `x and y`)
+
+
+def template_uses(tokenizer: PreTrainedTokenizerBase) -> TemplateUses:
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     source = _template_source(tokenizer)
-    if not source:
-        return {}
-    # transformers' own environment: its extensions ({% generation %}) parse.
-    tree = _compile_jinja_template(source).environment.parse(source)
+    try:
+        # transformers' own environment: its extensions ({% generation %}) parse.
+        tree = _compile_jinja_template(source).environment.parse(source) if source else None
+    except jinja2.TemplateError:
+        tree = None  # rendering names the error, prompt by prompt
+    if tree is None:
+        return TemplateUses({}, frozenset())
     found: dict[str, list[Any]] = {}
     for test in tree.find_all(nodes.Test):
         if isinstance(test.node, nodes.Name):
@@ -123,7 +134,17 @@ def compared_values(tokenizer: PreTrainedTokenizerBase) -> dict[str, list[Any]]:
                 elif isinstance(right, nodes.Name) and operand.op in {"eq", "ne"}:
                     found.setdefault(right.name, []).extend(_constants(left))
             left = right
-    return {name: values for name, values in found.items() if values}
+    conditions: set[str] = set()
+    stack = [node.test for node in tree.find_all((nodes.If, nodes.CondExpr))]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, nodes.Name):
+            conditions.add(node.name)
+        elif isinstance(node, nodes.Not):
+            stack.append(node.node)
+        elif isinstance(node, nodes.And | nodes.Or):
+            stack += [node.left, node.right]
+    return TemplateUses({name: values for name, values in found.items() if values}, frozenset(conditions))
 
 
 def _probe(value: Any) -> Any:
@@ -158,7 +179,7 @@ def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[
     of the type the template compares it with, or does not change the rendering; each mode is tried on its first
     prompt. Nothing is rendered with a kwarg before it passed the first three."""
     shadowed = TEMPLATE_CONTEXT | set(tokenizer.SPECIAL_TOKENS_ATTRIBUTES) | set(tokenizer.special_tokens_map)
-    compared = compared_values(tokenizer)
+    uses = template_uses(tokenizer)
     seen: set[str] = set()
     for prompt in prompts:
         kwargs = prompt.template_kwargs(run_wide)
@@ -193,14 +214,20 @@ def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[
                     "the prompt's messages"
                 )
         for name, value in kwargs.items():
-            expected = list(dict.fromkeys(compared.get(name, [])))
+            expected = list(dict.fromkeys(uses.compared.get(name, [])))
             kinds = list(dict.fromkeys(_kind(v) for v in expected))
+            is_value = f"chat_template_kwargs {name!r} is {json.dumps(value, ensure_ascii=False)} ({_kind(value)})"
             if expected and _kind(value) not in kinds:
                 shown = ", ".join(json.dumps(v) for v in expected)
                 raise TemplateKwargsError(
-                    f"{where(name)}: chat_template_kwargs {name!r} is {json.dumps(value, ensure_ascii=False)} "
-                    f"({_kind(value)}), but the chat template compares it with {shown} ({' or '.join(kinds)}), so no "
-                    f"comparison matches it; give {' or '.join(kinds)}, e.g. {json.dumps({name: expected[0]})}"
+                    f"{where(name)}: {is_value}, but the chat template compares it with {shown} ({' or '.join(kinds)}), "
+                    f"so no comparison matches it; give {' or '.join(kinds)}, e.g. {json.dumps({name: expected[0]})}"
+                )
+            spelt = str(value).strip().lower()
+            if isinstance(value, str) and spelt in ("true", "false") and name in uses.conditions and not expected:
+                raise TemplateKwargsError(
+                    f"{where(name)}: {is_value}, but the chat template tests it as a condition, where every "
+                    f"non-empty string is true; give a boolean, e.g. {json.dumps({name: spelt == 'true'})}"
                 )
         try:
             full = render_text(tokenizer, prompt.messages, kwargs)
@@ -215,7 +242,7 @@ def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[
                 f"{prompt.id!r}, which renders without them: {e}"
             ) from None
         for name in kwargs:
-            if not _reads(tokenizer, prompt.messages, kwargs, full, name, compared.get(name, [])):
+            if not _reads(tokenizer, prompt.messages, kwargs, full, name, uses.compared.get(name, [])):
                 raise TemplateKwargsError(
                     f"{where(name)}: chat_template_kwargs {name!r} changes nothing: the target's chat template "
                     "renders the same text without it and with any other value. Remove it or fix its name: a row "

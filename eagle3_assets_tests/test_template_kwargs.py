@@ -116,6 +116,12 @@ def test_a_kwarg_is_accepted_only_if_the_template_reads_it_as_its_own_variable_o
         "kwarg chooses a mode and is recorded in every row; put text in the prompt's messages"
     )
     check_template_kwargs(tok, parse_prompts(MIXED, "mixed.jsonl"), {})
+    # DeepSeek-V3.1 tests `thinking` for truth: the string "false" is true there.
+    v31 = QWEN3.replace("assistant\n{% endif %}", "assistant\n{% if thinking is defined and thinking %}<think>{% endif %}{% endif %}")
+    assert kwargs_refusal(family_tokenizer(CHATML, v31, "<|im_end|>"), {"thinking": "false"}) == (
+        "prompt 'p' (p.jsonl:2): chat_template_kwargs 'thinking' is \"false\" (a string), but the chat template tests "
+        'it as a condition, where every non-empty string is true; give a boolean, e.g. {"thinking": false}'
+    )
 
 
 def test_settings_and_prompt_lines_take_template_kwargs(tmp_path: Path):
