@@ -56,7 +56,9 @@ def ranks_per_node(launch: LaunchSettings, device: str, *, visible_gpus: int | N
         return gpus if on_gpu else 1
     nproc = launch.nproc_per_node
     if on_gpu and nproc > gpus:
-        raise LaunchRefused(f"training.launch.nproc_per_node: {nproc} ranks, one per GPU, but {where}; set it to {gpus} or 'auto'")
+        raise LaunchRefused(
+            f"training.launch.nproc_per_node: {nproc} ranks, one per GPU, but {where}; set it to {gpus} or 'auto'"
+        )
     if not on_gpu and device == "auto" and nproc > 1:
         # Ranks asked for GPUs that are not there: training them on the CPU is hours slower, never meant.
         raise LaunchRefused(
