@@ -31,6 +31,7 @@ class Prompt:
     messages: list[dict[str, Any]]
     extra: dict[str, Any] = field(default_factory=dict)  # other fields (e.g. the demo's `kind`), kept as-is
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)  # file:line it was parsed from, for errors about it
 
     def template_kwargs(self, run_wide: Mapping[str, Any]) -> dict[str, Any]:
         """What the chat template renders this prompt with: the run-wide kwargs, this prompt's over them."""
@@ -75,7 +76,30 @@ def _parse_line(obj: Any, where: str, lineno: int) -> Prompt:
         messages = [{"role": "user", "content": text}]
     else:
         raise PromptsError(f"{where} (id {pid}): needs a 'prompt' string or a 'messages' list")
-    return Prompt(pid, messages, extra, kwargs)
+    _check_fact_spans(obj, f"{where} (id {pid})")
+    return Prompt(pid, messages, extra, kwargs, where)
+
+
+def _check_fact_spans(obj: dict[str, Any], where: str) -> None:
+    """An eval prompt's `fact_spans` index its `reference` answer: checked here, not after the evaluation's passes."""
+    reference = obj.get("reference")
+    if reference is not None and not isinstance(reference, str):
+        raise PromptsError(f"{where}: 'reference' must be a string (the expected answer), got {type(reference).__name__}")
+    if "fact_spans" not in obj:
+        return
+    if reference is None:
+        raise PromptsError(f"{where}: fact_spans are character offsets into 'reference'; give the reference answer too")
+    spans = obj["fact_spans"]
+    ok = isinstance(spans, list) and all(
+        isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+        and 0 <= s[0] < s[1] <= len(reference)
+        for s in spans
+    )  # fmt: skip
+    if not ok:
+        raise PromptsError(
+            f"{where}: fact_spans must be [[start, end], ...] character offsets with 0 <= start < end <= "
+            f"{len(reference)} (the reference's length), got {spans!r}"
+        )
 
 
 def decode_prompts(data: bytes, source: str) -> str:
@@ -104,7 +128,11 @@ def parse_prompts(text: str, source: str) -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptsError(f"{where}, column {e.colno}: malformed JSON ({e.msg})") from None
+            # json's messages end where its position goes ("Unterminated string starting at"): the column ends them.
+            raise PromptsError(
+                f"{where}, column {e.colno}: malformed JSON ({e.msg.removesuffix(' at')} at line {lineno}, column "
+                f"{e.colno}); fix the line"
+            ) from None
         prompt = _parse_line(obj, where, lineno)
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")

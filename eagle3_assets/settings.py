@@ -51,7 +51,9 @@ class GenerationSettings(_Section):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="extra variables for the chat template of every prompt (e.g. {enable_thinking: false}); a "
-        "prompt line's own `chat_template_kwargs` override these per key; a name the template never reads is refused",
+        "prompt line's own `chat_template_kwargs` override these per key; a kwarg the rendering does not change with, "
+        "one that shadows the template's own variables or is of another type than the template compares it with, "
+        "is refused",
     )
 
 
@@ -79,6 +81,9 @@ class ExtractionSettings(_Section):
         return cron
 
 
+MAX_RANKS_PER_NODE = 256
+
+
 class LaunchSettings(_Section):
     """How the `drafter` asset starts training: a torchrun job of `nnodes` x `nproc_per_node` ranks."""
 
@@ -99,8 +104,14 @@ class LaunchSettings(_Section):
     @field_validator("nproc_per_node", mode="before")
     @classmethod
     def _nproc(cls, value: object) -> object:
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_RANKS_PER_NODE):
             return value
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_RANKS_PER_NODE:
+            # On a CPU node torchrun would fork every one of them before the first could fail.
+            raise ValueError(
+                f"{value} ranks on one node: no node runs more than {MAX_RANKS_PER_NODE} (one per GPU, or a few CPU "
+                "ranks); give 'auto' (one rank per visible GPU) or the node's GPU count"
+            )
         raise ValueError(f"{value!r}: give 'auto' (one rank per visible GPU) or a whole number of ranks, 1 or more")
 
     @field_validator("rdzv_endpoint")
@@ -219,6 +230,18 @@ class VllmSettings(_Section):
             raise ValueError(f"{urls} names a server twice")
         return cleaned
 
+    @field_validator("cpu_kv_cache_gib", mode="before")
+    @classmethod
+    def _whole_gib(cls, value: object) -> object:
+        # vLLM reads VLLM_CPU_KVCACHE_SPACE with int(): '0.5' kills the server at start, naming no setting.
+        whole = isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer()
+        if value is None or (whole and value >= 1):
+            return None if value is None else int(value)
+        raise ValueError(
+            f"{value!r}: the CPU build takes its KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE is read as an "
+            "integer); give a whole number, 1 or more (e.g. 4)"
+        )
+
     @property
     def extraction_urls(self) -> list[str]:
         """The long-lived servers extraction may use: `server_urls`, else `server_url`, else none (start one)."""
@@ -239,8 +262,9 @@ class VllmSettings(_Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     max_concurrency: int = Field(16, ge=1, description="requests in flight per run")
     startup_timeout_s: float = Field(900.0, gt=0)
-    cpu_kv_cache_gib: float | None = Field(
-        None, gt=0, description="the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE); None = vLLM's default, most of the RAM"
+    cpu_kv_cache_gib: int | None = Field(
+        None, description="the CPU build's KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE); None = vLLM's default, most "
+        "of the RAM",
     )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as-is")
 

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from eagle3_assets.sample_file import check_record_path, manifest_path, sample_row, shard_dir
+from eagle3_assets.sample_file import SAMPLE_SUFFIX, check_record_path, manifest_path, sample_path, sample_row, shard_dir
+from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
 
 WINDOW_DIR = "drafter/window"
@@ -60,6 +61,20 @@ def check_verdict(store: ArtifactStore, key: str, manifest_digest: str | None = 
     if digest is None or record.get("manifest_sha256") != digest:
         return "unchecked"
     return "passed" if record.get("passed") else "failed"
+
+
+def lost_sample_files(store: ArtifactStore, key: str) -> str | None:
+    """How shard `key`'s sample files differ from what its manifest recorded (a file gone, bytes changed since), or
+    None. One listing, no file read: cheap enough before every shard is trained, where a check passed long ago."""
+    rows = Shard.parse(key).rows
+    sizes = store.sizes(shard_dir(key))
+    if missing := [r for r in rows if f"{r}{SAMPLE_SUFFIX}" not in sizes]:
+        return f"{len(missing)} of {len(rows)} sample files are gone, the first {store.url_of(sample_path(key, missing[0]))}"
+    recorded = store.read_json(manifest_path(key)).get("bytes")
+    held = sum(sizes[f"{r}{SAMPLE_SUFFIX}"] for r in rows)
+    if recorded is not None and held != recorded:
+        return f"its sample files hold {held:,} bytes, its manifest recorded {recorded:,}: a file changed after the check"
+    return None
 
 
 @dataclass(frozen=True)

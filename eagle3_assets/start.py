@@ -272,8 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.environ.get("DAGSTER_HOME"):
         print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
         return 2
-    from eagle3_assets.definitions import build_definitions, defs
-
+    try:
+        from eagle3_assets.definitions import build_definitions, defs
+    except Eagle3Error as e:  # settings refused as the definitions load: the message names the field
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     project = defs.resources["project"]
     keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
     if args.redo_from is not None and args.redo_from not in keys:

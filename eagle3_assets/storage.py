@@ -92,6 +92,14 @@ class ArtifactStore:
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(p, detail=False)]
         return sorted(n for n in names if not _is_tmp(n))
 
+    def sizes(self, rel: str) -> dict[str, int]:
+        """Each file directly under `rel` (temporaries excluded) by name, with its size: one listing. Missing dir -> {}."""
+        p = self.path(rel)
+        if not self.fs.exists(p):
+            return {}
+        entries = ((e["name"].rstrip("/").rsplit("/", 1)[-1], e) for e in self.fs.ls(p, detail=True))
+        return {n: int(e["size"]) for n, e in entries if e["type"] == "file" and not _is_tmp(n)}
+
     def read_bytes(self, rel: str) -> bytes:
         try:
             return self.fs.cat_file(self.path(rel))

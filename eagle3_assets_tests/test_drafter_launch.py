@@ -3,6 +3,7 @@ line, and what a failed job says (a real torchrun job whose rank 1 is SIGKILLed)
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,9 @@ from eagle3_assets.settings import LaunchSettings, SettingsError, parse_settings
         ({"nproc_per_node": 0}, "training.launch.nproc_per_node: Value error, 0: give 'auto' (one rank per visible GPU) "
          "or a whole number of ranks, 1 or more"),
         ({"nproc_per_node": "all"}, "training.launch.nproc_per_node: Value error, 'all': give 'auto'"),
+        ({"nproc_per_node": 100000}, "training.launch.nproc_per_node: Value error, 100000 ranks on one node: no node "
+         "runs more than 256 (one per GPU, or a few CPU ranks); give 'auto' (one rank per visible GPU) or the node's "
+         "GPU count"),
         ({"nnodes": 2, "rdzv_endpoint": "node0"}, "training.launch.rdzv_endpoint: Value error, 'node0' is not host:port, "
          "e.g. 'eagle3-drafter-0.eagle3-drafter-pods:29400'"),
         ({"collective_timeout_s": 0}, "training.launch.collective_timeout_s: Input should be greater than 0"),
@@ -55,6 +59,24 @@ def test_ranks_per_node_follow_the_visible_gpus_and_refuse_what_the_node_lacks()
     assert "training.launch.nproc_per_node: 8 ranks, one per GPU, but this node shows 4 GPU(s)" in str(e.value)
     assert str(e.value).endswith("set it to 4 or 'auto'")
     assert not e.value.retryable
+
+
+def test_ranks_meant_for_gpus_are_not_trained_on_the_cpu_and_cpu_ranks_are_bounded_by_its_cores():
+    eight, cpus = LaunchSettings(nproc_per_node=8), os.cpu_count() or 1
+    with pytest.raises(LaunchRefused) as e:
+        ranks_per_node(eight, "auto", visible_gpus=0)
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = "this node shows 0 GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "")
+    assert str(e.value) == (
+        f"training.launch.nproc_per_node: 8 ranks with training.device 'auto', but {where}: they would all train on "
+        "the CPU. Run on a node with 8 GPUs, or set training.device: cpu to train 8 CPU ranks on purpose"
+    )
+    with pytest.raises(LaunchRefused) as e:
+        ranks_per_node(LaunchSettings(nproc_per_node=cpus + 1), "cpu", visible_gpus=0)
+    assert str(e.value) == (
+        f"training.launch.nproc_per_node: {cpus + 1} CPU ranks, but this node has {cpus} CPU(s); set it to {cpus} or fewer"
+    )
+    assert ranks_per_node(LaunchSettings(nproc_per_node=1), "auto", visible_gpus=0) == 1
 
 
 def test_the_torchrun_command_of_one_node_and_of_several(tmp_path):

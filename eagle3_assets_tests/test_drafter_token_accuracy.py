@@ -17,7 +17,7 @@ from eagle3_assets.drafter.token_accuracy import TOKEN_CLASSES, ClassAccuracy, L
 from eagle3_assets.drafter.train import evaluate
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
-from eagle3_assets.prompts import Prompt, PromptsError
+from eagle3_assets.prompts import Prompt
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import load_tokenizer
@@ -128,10 +128,3 @@ def test_report_metadata_lists_only_classes_present_in_the_eval_set():
         "eval_rows_off_reference": 1,
     }  # fmt: skip
     assert (meta["feature_gain_k3"], meta["feature_gain_k7"]) == (2.0, 2.0)
-
-
-def test_malformed_fact_spans_are_refused_naming_the_prompt(tiny_target_dir):
-    tok = load_tokenizer(tiny_target_dir)
-    prompt = Prompt("eval-07", [{"role": "user", "content": "hi"}], {"reference": "<think>red</think>", "fact_spans": [[7, 99]]})
-    with pytest.raises(PromptsError, match=r"eval prompt eval-07: fact_spans must be .* <= 18 .*got \[\[7, 99\]\]"):
-        label_rows([prompt], [[1, 3]], [[5, 6]], tok)

@@ -254,6 +254,15 @@ def test_rolling_mode_trains_shards_as_they_land_in_any_order_a_person_tries(pip
         # As the run starts, then as it ends (between, every `WindowReporter.every_s` while training runs).
         assert states[:3] == [("rows_0-15", "training"), ("rows_15-30", "checked"), ("rows_30-45", "missing")]
         assert dict(states) == {"rows_0-15": "released", "rows_15-30": "released", "rows_30-45": "missing"}
+        # A shard extraction has not reached yet is not a bad one: no verdict recorded, the job green.
+        pending = defs.resolve_job_def("verify_shards").execute_in_process(instance=instance, raise_on_error=False)
+        assert pending.success
+        judged = {e.event_specific_data.partition for e in pending.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+        assert judged == {keys[0], keys[1]}
+        output = next(e for e in pending.all_events if e.event_type_value == "STEP_OUTPUT")
+        assert {k: v.value for k, v in output.event_specific_data.metadata.items()} == {
+            "shards": 0, "rows": 0, "released": 2, "not_extracted_yet": "rows_30-45",
+        }  # fmt: skip
 
         # A consumed shard is never extracted again; verify_shards reports it released, not bad.
         again = run(defs, instance, ["hidden_states"], keys[0])

@@ -23,14 +23,14 @@ from safetensors.torch import load_file
 
 from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.drafter.checkpoint import list_checkpoints, read_checkpoint_state
-from eagle3_assets.drafter.rolling import HELDOUT_DIR, RollingPlan
+from eagle3_assets.drafter.rolling import HELDOUT_DIR, RollingPlan, ShardFailedError, ShardWindow
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.integrity import check_shard
 from eagle3_assets.hidden_states.shard import extract_shard
-from eagle3_assets.sample_file import manifest_path
+from eagle3_assets.sample_file import manifest_path, sample_path
 from eagle3_assets.settings import ExtractionSettings, TrainingSettings
-from eagle3_assets.shard_window import Window, read_consumed, sample_files, write_check_record
+from eagle3_assets.shard_window import Window, check_verdict, read_consumed, sample_files, write_check_record
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
@@ -278,3 +278,29 @@ def test_every_sample_is_trained_exactly_once_through_kills_anywhere(world, extr
     assert ledger == clean_ledger  # the same batches at the same steps as a run never killed
     for name, t in clean_weights.items():
         torch.testing.assert_close(weights[name], t, rtol=0, atol=1e-6, msg=name)
+
+
+def test_sample_files_lost_after_the_check_stop_training_at_their_shard_before_it_is_trained(world, extracted, tmp_path):
+    import shutil
+
+    _, _, _, keys, _ = world
+    shutil.copytree(extracted, tmp_path / "store")
+    store = ArtifactStore(tmp_path / "store")
+    plan = RollingPlan.from_tokenized(TokenizedSet.load(store), keys, heldout_rows=2, seed=0)
+    window = ShardWindow(store, plan, True, poll_s=0.01, wait_s=5.0, log=lambda _: None)
+    assert window.wait_for(1).hidden_size == 64
+    store.remove(sample_path(keys[1], 8))
+    with pytest.raises(ShardFailedError) as e:
+        window.wait_for(1)
+    assert str(e.value) == (
+        f"shard rows_6-12 (#2 of 8 in training order) lost sample files after its integrity check passed: 1 of 6 "
+        f"sample files are gone, the first {store.url_of('hidden_states/rows_6-12/8.safetensors')}. It now reads as "
+        "failed: training stops at it, and no later shard is trained before it. Materialize the shard again (its "
+        "missing rows are extracted), then materialize `drafter`"
+    )
+    assert not e.value.retryable and check_verdict(store, keys[1]) == "failed"
+    # A file cut short: the sizes no longer add up to the manifest's.
+    recorded = store.read_json(manifest_path(keys[2]))["bytes"]
+    store.write_bytes(sample_path(keys[2], 12), store.read_bytes(sample_path(keys[2], 12))[:-10])
+    with pytest.raises(ShardFailedError, match=rf"its sample files hold {recorded - 10:,} bytes, its manifest recorded {recorded:,}: "):
+        window.wait_for(2)

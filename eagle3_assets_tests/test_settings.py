@@ -120,3 +120,14 @@ def test_an_empty_settings_file_and_a_target_model_that_is_a_file_are_named(tmp_
     weights.write_bytes(b"")
     with pytest.raises(SettingsError, match=r"target_model: .*model.safetensors is a file; name the model's directory"):
         load_settings(write_config(tmp_path, f"target_model: {weights}\n"))
+
+
+def test_a_kv_cache_of_a_fraction_of_a_gib_is_refused_naming_the_field(tmp_path: Path):
+    with pytest.raises(SettingsError) as e:
+        load_settings(write_config(tmp_path, "vllm: {cpu_kv_cache_gib: 0.5}\n"))
+    assert str(e.value) == (
+        f"invalid settings in {tmp_path / 'eagle3.yaml'}:\n  vllm.cpu_kv_cache_gib: Value error, 0.5: the CPU build "
+        "takes its KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE is read as an integer); give a whole number, 1 or "
+        "more (e.g. 4)"
+    )
+    assert load_settings(write_config(tmp_path, "vllm: {cpu_kv_cache_gib: 4.0}\n")).vllm.cpu_kv_cache_gib == 4

@@ -1,9 +1,13 @@
 """`python -m eagle3_assets.start`: one command through the graph, killed mid-shard and started again."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from dagster import AssetKey, AssetRecordsFilter
 
-from .helpers import Operator
+from .helpers import REPO, Operator
 
 pytestmark = pytest.mark.slow  # the tiny data graph, three shards and a short drafter, in subprocesses
 
@@ -212,3 +216,13 @@ def test_a_changed_setting_or_input_redoes_exactly_what_it_made_and_keeps_the_re
     parts = [json.loads(line) for name in store.listdir(PARTS_DIR) if name.startswith("part-")
              for line in store.read_text(f"{PARTS_DIR}/{name}").splitlines()]  # fmt: skip
     assert len(parts) == 45 and len({r["made_by"] for r in parts}) == 45
+
+
+def test_settings_refused_at_load_are_one_error_line_and_exit_2(tmp_path):
+    config = tmp_path / "eagle3.yaml"
+    config.write_text("shard_size: 0\n")
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "EAGLE3_CONFIG": str(config), "EAGLE3_ROOT": str(tmp_path / "r")}
+    cmd = [sys.executable, "-m", "eagle3_assets.start"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.endswith(f"error: invalid settings in {config}:\n  shard_size: Input should be greater than or equal to 1\n")

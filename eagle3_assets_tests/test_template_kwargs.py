@@ -6,6 +6,7 @@ that contradicts the tokenizer is refused, naming both. No model: templates and 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_a_mixed_mode_prompt_file_renders_and_records_each_prompts_merged_kwargs
 
 def test_a_kwarg_the_template_never_reads_is_refused_naming_it_and_where_it_is_set(tok):
     prompts = parse_prompts(MIXED + '{"id": "ds", "prompt": "Hi", "chat_template_kwargs": {"thinking": true}}\n', "m")
-    with pytest.raises(TemplateKwargsError, match=r"^prompt 'ds': chat_template_kwargs 'thinking' changes nothing"):
+    with pytest.raises(TemplateKwargsError, match=r"^prompt 'ds' \(m:4\): chat_template_kwargs 'thinking' changes nothing"):
         check_template_kwargs(tok, prompts, {})
     with pytest.raises(TemplateKwargsError, match=r"^generation.chat_template_kwargs: chat_template_kwargs 'effort'"):
         eval_prompt_ids(tok, prompts[:1], {"effort": "high"})
@@ -80,6 +81,47 @@ def test_a_kwarg_the_template_never_reads_is_refused_naming_it_and_where_it_is_s
         check_template_kwargs(tok, prompts[:1], {"tokenize": True})
     # The template's default value renders the same text, but the template reads it: not refused.
     check_template_kwargs(tok, prompts[:3], {"enable_thinking": True})
+
+
+def kwargs_refusal(tok, kwargs: dict, run_wide: dict | None = None) -> str:
+    """Why check_template_kwargs refuses `kwargs` on line 2 of p.jsonl (or `run_wide` for every prompt)."""
+    lines = '{"prompt": "a"}\n' + json.dumps({"id": "p", "prompt": "Hi", "chat_template_kwargs": kwargs}) + "\n"
+    with pytest.raises(TemplateKwargsError) as e:
+        check_template_kwargs(tok, parse_prompts(lines, "p.jsonl")[1:], run_wide or {})
+    return str(e.value)
+
+
+def test_a_kwarg_is_accepted_only_if_the_template_reads_it_as_its_own_variable_of_the_type_it_compares():
+    # Qwen3's loop variable is `message`: a kwarg of that name is never what the template reads.
+    tok = family_tokenizer(CHATML, HYBRID.replace("for m in", "for message in").replace("m['", "message['"), "<|im_end|>")
+    assert kwargs_refusal(tok, {"enable_thinking": "false"}) == (
+        "prompt 'p' (p.jsonl:2): chat_template_kwargs 'enable_thinking' is \"false\" (a string), but the chat template "
+        "compares it with false (a boolean), so no comparison matches it; give a boolean, e.g. "
+        '{"enable_thinking": false}'
+    )
+    for name in ("messages", "bos_token", "raise_exception"):
+        assert kwargs_refusal(tok, {name: []}) == (
+            f"prompt 'p' (p.jsonl:2): chat_template_kwargs {name!r} would replace the template's own {name!r} (what "
+            "every prompt is rendered with: the conversation, the tokenizer's special tokens, the generation prompt); "
+            "remove it"
+        )
+    assert kwargs_refusal(tok, {}, {"messages": []}).startswith("generation.chat_template_kwargs: chat_template_kwargs 'messages' would")
+    assert kwargs_refusal(tok, {"message": 1}) == (
+        "prompt 'p' (p.jsonl:2): chat_template_kwargs 'message' changes nothing: the target's chat template renders "
+        "the same text without it and with any other value. Remove it or fix its name: a row rendered with it would "
+        "record a mode it was not rendered in"
+    )
+    assert kwargs_refusal(tok, {"enable_thinking": False, "note": "x" * 2_000_000}) == (
+        "prompt 'p' (p.jsonl:2): chat_template_kwargs 'note' is 2000002 bytes as JSON, over the 4096-byte limit: a "
+        "kwarg chooses a mode and is recorded in every row; put text in the prompt's messages"
+    )
+    check_template_kwargs(tok, parse_prompts(MIXED, "mixed.jsonl"), {})
+    # DeepSeek-V3.1 tests `thinking` for truth: the string "false" is true there.
+    v31 = QWEN3.replace("assistant\n{% endif %}", "assistant\n{% if thinking is defined and thinking %}<think>{% endif %}{% endif %}")
+    assert kwargs_refusal(family_tokenizer(CHATML, v31, "<|im_end|>"), {"thinking": "false"}) == (
+        "prompt 'p' (p.jsonl:2): chat_template_kwargs 'thinking' is \"false\" (a string), but the chat template tests "
+        'it as a condition, where every non-empty string is true; give a boolean, e.g. {"thinking": false}'
+    )
 
 
 def test_settings_and_prompt_lines_take_template_kwargs(tmp_path: Path):

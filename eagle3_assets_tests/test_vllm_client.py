@@ -289,16 +289,27 @@ def test_the_supervisor_stops_the_server_when_its_starter_dies(tmp_path: Path):
             pass
 
 
-def test_a_cpu_server_that_cannot_reserve_its_kv_cache_names_the_setting():
+def test_a_cpu_server_that_cannot_reserve_its_kv_cache_names_the_setting(tmp_path):
     from eagle3_assets.vllm_server.server import memory_hint
 
-    # What the CPU build logs when other processes hold part of the RAM (vLLM 0.x, issue 26).
-    log = (
-        "ValueError: Available memory on node 0 (15.58/23.54 GiB) on startup is less than desired CPU memory "
-        "utilization (0.9, 21.19 GiB)."
+    # This vLLM's CPU worker logs the cause, then ~150 lines of engine teardown (issue 34).
+    cause = (
+        "ValueError: Available memory on node 0 (3.12/23.54 GiB) on kv cache allocation is less than requested memory "
+        "for kv (4.00 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by "
+        "other processes."
     )
+    teardown = [f"(EngineCore_DP0 pid=4242) ERROR   File \"/vllm/v1/engine/core.py\", line {n}, in run" for n in range(149)]
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(["INFO loading", cause, *teardown, "RuntimeError: Engine core initialization failed."]))
     assert memory_hint(log) == (
         ": the CPU build could not reserve its KV cache (by default most of the machine's RAM); "
         "set vllm.cpu_kv_cache_gib (e.g. 4) to bound it"
     )
-    assert memory_hint("OSError: model not found") == ""
+    # The older build's wording, at startup.
+    log.write_text(
+        "ValueError: Available memory on node 0 (15.58/23.54 GiB) on startup is less than desired CPU memory "
+        "utilization (0.9, 21.19 GiB).\n"
+    )
+    assert memory_hint(log).startswith(": the CPU build could not reserve its KV cache")
+    log.write_text("INFO VLLM_CPU_KVCACHE_SPACE not set, using the default\nOSError: model not found\n")
+    assert memory_hint(log) == "" and memory_hint(None) == ""

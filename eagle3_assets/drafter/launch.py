@@ -54,12 +54,25 @@ def ranks_per_node(launch: LaunchSettings, device: str, *, visible_gpus: int | N
     on_gpu = device == "cuda" or (device == "auto" and gpus > 0)
     if launch.nproc_per_node == "auto":
         return gpus if on_gpu else 1
-    if on_gpu and launch.nproc_per_node > gpus:
+    nproc = launch.nproc_per_node
+    if on_gpu and nproc > gpus:
         raise LaunchRefused(
-            f"training.launch.nproc_per_node: {launch.nproc_per_node} ranks, one per GPU, but {where}; "
-            f"set it to {gpus} or 'auto'"
+            f"training.launch.nproc_per_node: {nproc} ranks, one per GPU, but {where}; set it to {gpus} or 'auto'"
         )
-    return launch.nproc_per_node
+    if not on_gpu and device == "auto" and nproc > 1:
+        # Ranks asked for GPUs that are not there: training them on the CPU is hours slower, never meant.
+        raise LaunchRefused(
+            f"training.launch.nproc_per_node: {nproc} ranks with training.device 'auto', but {where}: they would "
+            f"all train on the CPU. Run on a node with {nproc} GPUs, or set training.device: cpu to train {nproc} "
+            "CPU ranks on purpose"
+        )
+    cpus = os.cpu_count() or 1
+    if not on_gpu and nproc > cpus:
+        raise LaunchRefused(
+            f"training.launch.nproc_per_node: {nproc} CPU ranks, but this node has {cpus} CPU(s); set it to {cpus} "
+            "or fewer"
+        )
+    return nproc
 
 
 def refuse_another_world_size(store: ArtifactStore, world_size: int) -> None:

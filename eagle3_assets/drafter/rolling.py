@@ -24,7 +24,14 @@ from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError
 from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.sample_file import manifest_path
-from eagle3_assets.shard_window import check_verdict, read_consumed_one, record_consumed, release
+from eagle3_assets.shard_window import (
+    check_verdict,
+    lost_sample_files,
+    read_consumed_one,
+    record_consumed,
+    release,
+    write_check_record,
+)
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
@@ -36,6 +43,8 @@ LogFn = Callable[[str], None]
 
 class ShardFailedError(TrainingError):
     """The next shard in the order failed its integrity check: training stops there until it is repaired."""
+
+    retryable = False  # a retry meets the same shard (`rolling_refusal` refuses it before any rank starts)
 
 
 class ShardWaitTimeout(TrainingError):
@@ -153,6 +162,15 @@ class ShardWindow:
             if read_consumed_one(self.store, key) is not None:
                 return manifest_format(self.store, key)
             verdict = check_verdict(self.store, key)
+            if verdict == "passed" and (lost := lost_sample_files(self.store, key)) is not None:
+                if self.is_main:  # it reads as failed wherever the window is read (UI, the next run's refusal)
+                    write_check_record(self.store, key, passed=False, problems=1)
+                raise ShardFailedError(
+                    f"shard {key} (#{k + 1} of {len(self.plan.keys)} in training order) lost sample files after its "
+                    f"integrity check passed: {lost}. It now reads as failed: training stops at it, and no later "
+                    "shard is trained before it. Materialize the shard again (its missing rows are extracted), then "
+                    "materialize `drafter`"
+                )
             if verdict == "passed":
                 return manifest_format(self.store, key)
             if verdict == "failed":

@@ -19,6 +19,7 @@ run must not leave a GPU server behind.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,10 @@ STORAGE_SUBDIR = "hidden_states"
 # vLLM logs this once per model load (per worker: TP ranks each log it on a GPU node).
 MODEL_LOAD_MARKER = "Starting to load model"
 STOP_GRACE_S = 30.0
+# How much of a dead server's log is searched for a known cause: the CPU build logs its KV-cache error ~150
+# lines before the end (the engine's teardown follows it); a bound, because a server that ran long logs GBs.
+CAUSE_SCAN_BYTES = 4 << 20
+_KV_CACHE_CAUSE = re.compile(r"Available memory on node .* is less than (desired CPU memory utilization|requested memory for kv)")
 
 
 class VllmServer:
@@ -202,7 +207,7 @@ class VllmServer:
                 tail = self.log_tail()
                 raise VllmServerError(
                     f"the vLLM server for {self.plan.model if self.plan else '?'} at {self.url} exited with code "
-                    f"{rc} before it was ready{memory_hint(tail)}; log {self.log_path}, last lines:\n{tail}"
+                    f"{rc} before it was ready{memory_hint(self.log_path)}; log {self.log_path}, last lines:\n{tail}"
                 )
             if self.is_healthy(2.0):
                 return
@@ -235,9 +240,15 @@ class VllmServer:
         self.stop()
 
 
-def memory_hint(log: str) -> str:
-    """The setting to change when the CPU build could not reserve its KV cache, '' for other failures."""
-    if "CPU memory utilization" not in log and "VLLM_CPU_KVCACHE_SPACE" not in log:
+def memory_hint(log_path: Path | None) -> str:
+    """The setting to change when the server's log says the CPU build could not reserve its KV cache, '' for
+    other failures (or no log)."""
+    if log_path is None or not log_path.exists():
+        return ""
+    with log_path.open("rb") as f:
+        f.seek(max(0, log_path.stat().st_size - CAUSE_SCAN_BYTES))
+        log = f.read().decode(errors="replace")
+    if not _KV_CACHE_CAUSE.search(log):
         return ""
     return (
         ": the CPU build could not reserve its KV cache (by default most of the machine's RAM); "
@@ -247,7 +258,7 @@ def memory_hint(log: str) -> str:
 
 def cpu_env(vllm: VllmSettings) -> dict[str, str]:
     """The CPU build sizes its KV cache from the environment, not from a flag."""
-    return {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": f"{vllm.cpu_kv_cache_gib:g}"}
+    return {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": str(vllm.cpu_kv_cache_gib)}
 
 
 def _remove_request_files(storage: Path) -> None:

@@ -17,6 +17,7 @@ from dagster import (
     asset,
 )
 
+from eagle3_assets.chat import check_template_kwargs
 from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import sync_shard_partitions
@@ -174,6 +175,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             # Rows are reused by what made them, the prompt set aside: appended prompts keep the others.
             made_by=digest({"settings": want.settings, "target_model": want.inputs["target_model"], "code": want.code}),
         )
+        check_template_kwargs(tokenizer, rows, settings.generation.chat_template_kwargs)  # before the model loads
         generator = open_generator(target, settings.generation, settings.vllm)
         try:
             summary = generate_responses(
