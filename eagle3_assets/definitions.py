@@ -19,7 +19,7 @@ from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.drafter import assets as drafter
-from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
+from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
@@ -44,6 +44,7 @@ def build_definitions(project: Project) -> Definitions:
     ] + [
         drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(rolling)),
         drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition()),
+        drafter.drafter_release.with_attributes(automation_condition=drafter_release_condition()),
     ]
     assets = [data.prompts, data.target_model, hidden_states, *followers]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
@@ -73,7 +74,8 @@ def build_definitions(project: Project) -> Definitions:
                 minimum_interval_seconds=30,
                 description="Carries the graph forward once `prompts` and `target_model` are materialized: each asset "
                 "after its inputs and their blocking checks, `drafter` after "
-                + ("the first checked shard." if rolling else "every shard passed its check."),
+                + ("the first checked shard" if rolling else "every shard passed its check")
+                + ", `drafter_release` after each drafter_eval.",
             ),
             dead_runs_sensor,
             shard_stall_sensor,

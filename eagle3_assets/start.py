@@ -60,10 +60,10 @@ LAUNCHED_BY = "eagle3/launched_by"
 TOKENIZED = AssetKey("tokenized")
 RESPONSES = AssetKey("responses")
 DRAFTER = AssetKey("drafter")
-AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval")]
+AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval"), AssetKey("drafter_release")]
 SHARD_ATTEMPTS = 2  # runs of one shard, each with the asset's own retries, before the command stops asking
 ROLLING_POLL_S = 2.0
-THROUGH = ("hidden_states", "drafter", "drafter_eval")
+THROUGH = ("hidden_states", "drafter", "drafter_eval", "drafter_release")
 
 Log = Callable[[str], None]
 

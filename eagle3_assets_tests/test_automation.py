@@ -21,7 +21,7 @@ from dagster import (
 from dagster._core.test_utils import instance_for_test
 
 from eagle3_assets.defs.data.automation import data_condition
-from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
+from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
 
 shards = DynamicPartitionsDefinition(name="hidden_state_shards")
@@ -119,11 +119,17 @@ def graph_defs(rolling: bool) -> Definitions:
     def drafter_eval() -> None:
         return None
 
-    return Definitions(assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval], asset_checks=[shard_integrity])
+    @asset(deps=[drafter_eval], automation_condition=drafter_release_condition())
+    def drafter_release() -> None:
+        return None
+
+    return Definitions(
+        assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval, drafter_release], asset_checks=[shard_integrity]
+    )
 
 
 @pytest.mark.parametrize("rolling", [False, True], ids=["offline", "rolling"])
-def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_follows(rolling):
+def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_and_release_follow(rolling):
     defs = graph_defs(rolling)
     job = defs.resolve_implicit_global_asset_job_def()
     clock = [datetime.datetime(2026, 12, 1, 12, 1, tzinfo=datetime.UTC)]
@@ -153,14 +159,15 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_fol
         assert after(["hidden_states"], "rows_20-40") == []
         if rolling:
             # Training rolls from the first shard that passed its check; the rest land while it trains.
-            assert first_checked == ["drafter", "drafter_eval"]
+            assert first_checked == ["drafter", "drafter_eval", "drafter_release"]
             return
         assert first_checked == []
         assert after(["hidden_states"], "rows_40-45", bad="rows_40-45") == []  # every shard in, one failed its check
-        assert after(["hidden_states"], "rows_40-45") == ["drafter", "drafter_eval"]
+        assert after(["hidden_states"], "rows_40-45") == ["drafter", "drafter_eval", "drafter_release"]
         assert after([]) == []  # requested once
-        assert after(["drafter"]) == ["drafter_eval"]
-        assert after(["drafter_eval"]) == []
+        # A retrain is evaluated and released by itself, in one run (when it is no worse: `drafter_release`'s check).
+        assert after(["drafter"]) == ["drafter_eval", "drafter_release"]
+        assert after(["drafter_eval", "drafter_release"]) == []
 
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):

@@ -6,7 +6,8 @@ check passed against that materialization: a shard missing, running, or failed i
 holds it back, as the drafter would refuse to train (`unusable_shards`). Rolling
 (`training.mode: rolling`) training consumes shards one by one as they pass their check,
 so it starts as soon as one shard has: the rest land while it trains.
-`drafter_eval` follows the drafter it evaluates.
+`drafter_eval` follows the drafter it evaluates, and `drafter_release` follows `drafter_eval`:
+an improving retrain is released by itself, a worse one fails the release's blocking check.
 """
 
 from __future__ import annotations
@@ -51,3 +52,7 @@ def _rolling_drafter_condition() -> AutomationCondition:
 
 def drafter_eval_condition() -> AutomationCondition:
     return AutomationCondition.eager().with_label("after each new drafter")
+
+
+def drafter_release_condition() -> AutomationCondition:
+    return AutomationCondition.eager().with_label("after each drafter_eval")
