@@ -210,6 +210,11 @@ class TrainingSettings(_Section):
                 "heldout_rows: 0 leaves nothing to evaluate, so early_stop_evals and export_checkpoint: best have "
                 "nothing to go by; hold rows out (heldout_rows > 0) or remove those settings"
             )
+        if self.mode == "rolling" and self.early_stop_evals is not None:
+            raise ValueError(
+                "early_stop_evals: rolling mode trains and releases each shard as it lands; stopping early would "
+                "leave the rest extracted for nothing or never released. Remove it, or use mode: offline"
+            )
         return self
 
     @model_validator(mode="after")

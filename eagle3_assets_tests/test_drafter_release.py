@@ -12,10 +12,11 @@ from dagster import AssetKey, DagsterInstance, materialize
 from safetensors.torch import save_file
 
 from eagle3_assets.defs.drafter.assets import RELEASE_CHECK, drafter_release
-from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE
+from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, ReferenceDrafterMissing, beside_drafters
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.release import RELEASE_DIR, RELEASED, export_digest, release_decision
 from eagle3_assets.project import Project
+from eagle3_assets.settings import EvaluationSettings
 from eagle3_assets.storage import ArtifactStore
 
 from .conftest import tiny_settings
@@ -116,3 +117,24 @@ def test_an_export_serving_at_acceptance_one_is_never_released_even_first(tmp_pa
         result, meta, check = release(Project(tiny_settings(), store), instance, report(k3, 1.0, export_sha256=digest))
     assert not result.success and not check.passed and meta["promoted"].value is False
     assert not store.exists(RELEASE_DIR)
+
+
+def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_and_refuses_a_missing_reference(
+    tmp_path,
+):
+    store = ArtifactStore(tmp_path / "store")
+    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {}
+    store.write_json(f"{RELEASE_DIR}/release.json", {"acceptance": {"k3": 2.0}})
+    reference = tmp_path / "published"
+    reference.mkdir()
+    (reference / "config.json").write_text("{}")
+    with pytest.raises(ReferenceDrafterMissing) as e:
+        beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path)
+    assert str(e.value) == (
+        f"evaluation.reference_drafter {reference}: no model.safetensors there; name a local EAGLE-3 export "
+        "directory (download a published drafter first) or remove the setting"
+    )
+    (reference / "model.safetensors").write_bytes(b"")
+    assert beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path) == {
+        RELEASED: tmp_path / "store" / RELEASE_DIR, "reference": reference
+    }

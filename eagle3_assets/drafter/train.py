@@ -386,7 +386,10 @@ class _Run:
                             f"lr {metrics['lr']:.2e}"
                         )
                 stop = False
-                if self.heldout and (step % self.settings.eval_every == 0 or step == self.total_steps):
+                # Rolling: the held-out rows are read from their copies, made once the first shard is consumed; a
+                # last step inside the first shard is evaluated after the loop, once it is.
+                heldout_ready = self.window is None or pos.epoch > 0
+                if self.heldout and heldout_ready and (step % self.settings.eval_every == 0 or step == self.total_steps):
                     self.evaluation(step, tb=tb, on_eval=on_eval, log=log)
                     stop = stops_early(self.evals, self.settings.early_stop_evals)
                     if stop and self.env.is_main:
