@@ -60,7 +60,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     written = store.read_json(EVAL_REPORT_FILE)
     # vLLM's form: greedy, the chat template, k=3 and k=7, mean acceptance and the rate per draft position.
     assert (written["greedy"], written["chat_template"], written["max_tokens"]) == (True, True, MAX_TOKENS)
-    assert written["eval_file"] == "embedded demo eval prompts" and written["engine"].startswith("vllm 0.")
+    assert written["prompts_file"] == "embedded demo eval prompts" and written["engine"].startswith("vllm 0.")
     assert written["export_sha256"] == export_digest(store)
     assert written["mean_acceptance_length_k3"] == written["mean_acceptance_length_k7"] == 1.0  # the zeroed head
     assert [len(written[f"acceptance_per_position_k{k}"]) for k in (3, 7)] == [3, 7]

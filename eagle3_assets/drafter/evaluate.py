@@ -65,7 +65,7 @@ class ReferenceDrafterMissing(Refusal):
 class EvalReport:
     prompts: int
     max_tokens: int
-    eval_file: str = ""  # where the held-out prompts came from
+    prompts_file: str = ""  # where the held-out prompts came from
     export_sha256: str = ""  # which export was served (`release.export_digest`)
     engine: str = ""  # the engine and its version
     acceptance: dict[str, float] = field(default_factory=dict)  # "k3" -> mean acceptance length
@@ -111,7 +111,7 @@ class EvalReport:
 
     def as_metadata(self) -> dict[str, object]:
         meta: dict[str, object] = {
-            "prompts": self.prompts, "max_tokens": self.max_tokens, "eval_file": self.eval_file, "engine": self.engine,
+            "prompts": self.prompts, "max_tokens": self.max_tokens, "prompts_file": self.prompts_file, "engine": self.engine,
             "export_sha256": self.export_sha256,
             "greedy": True, "chat_template": True,
         }  # fmt: skip
@@ -237,7 +237,7 @@ def evaluate_drafter(
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
     report = EvalReport(
         prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)),
-        eval_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
+        prompts_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
         export_sha256=export_digest(store),
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:

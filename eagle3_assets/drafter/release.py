@@ -120,7 +120,7 @@ def promote(store: ArtifactStore, decision: Decision, report: dict[str, Any]) ->
             "reason": decision.reason,
             "export": store.url_of(EXPORT_DIR),
             "export_sha256": report["export_sha256"],
-            "report": {k: report[k] for k in ("prompts", "max_tokens", "eval_file", "engine") if k in report},
+            "report": {k: report[k] for k in ("prompts", "max_tokens", "prompts_file", "engine") if k in report},
         }
         (Path(tmp) / "release.json").write_text(json.dumps(record, indent=2) + "\n")
         store.put_dir(tmp, RELEASE_DIR)
