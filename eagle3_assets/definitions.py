@@ -19,7 +19,7 @@ from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.drafter import assets as drafter
-from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
+from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
@@ -45,6 +45,7 @@ def build_definitions(project: Project) -> Definitions:
     ] + [
         drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(project)),
         drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition(project)),
+        drafter.drafter_release.with_attributes(automation_condition=drafter_release_condition(project)),
     ]
     # A changed setting is a new code version of the assets that read it: the UI shows them stale.
     # The roots are made again when what they read changed (a new prompt file, another target).
@@ -77,8 +78,9 @@ def build_definitions(project: Project) -> Definitions:
                 minimum_interval_seconds=30,
                 description="Carries the graph forward once a person materialized `prompts` and `target_model`: each asset "
                 "after its inputs and their blocking checks, `drafter` after "
-                + ("the first checked shard." if rolling else "every shard passed its check.")
-                + " Each again when it is made from other settings or inputs than the current ones.",
+                + ("the first checked shard" if rolling else "every shard passed its check")
+                + ", `drafter_release` after each drafter_eval. Each again when it is made from other settings or "
+                "inputs than the current ones.",
                 use_user_code_server=True,
             ),
             dead_runs_sensor,

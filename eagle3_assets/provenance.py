@@ -47,6 +47,7 @@ CODE_REVISION: dict[str, int] = {
     "hidden_states": 1,
     "drafter": 1,
     "drafter_eval": 1,
+    "drafter_release": 1,
 }
 
 # Where each asset's record lives (a shard's in its own directory).
@@ -60,6 +61,7 @@ RECORD_DIRS: dict[str, str] = {
     "hidden_states": "hidden_states",
     "drafter": "drafter",
     "drafter_eval": "drafter_eval",
+    "drafter_release": "drafter_release",
 }
 
 # The inputs whose recorded versions an asset's content depends on (its Dagster deps, plus `tokenized`
@@ -74,11 +76,15 @@ PARENTS: dict[str, tuple[str, ...]] = {
     "hidden_states": ("target_model",),  # and the shard's own rows, from tokenized's record
     "drafter": ("target_model", "tokenized", "vocab_map"),
     "drafter_eval": ("drafter", "prompts", "target_model"),
+    "drafter_release": ("drafter_eval",),
 }
 
 # Training settings that change how a run is carried out, not what it learns (also left out of a
 # checkpoint's run fingerprint, `drafter/train.py`).
-TRAINING_VOLATILE = ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch")
+TRAINING_VOLATILE = (
+    "checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch",
+    "eval_every", "export_checkpoint", "early_stop_evals",
+)  # fmt: skip
 
 
 class ProvenanceError(Eagle3Error, RuntimeError):
@@ -135,7 +141,12 @@ def settings_read(asset: str, settings: Settings) -> dict[str, Any]:
         learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_VOLATILE]
         fields = ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
     elif asset == "drafter_eval":
-        fields = ("evaluation.max_new_tokens", "generation.max_new_tokens", "generation.chat_template_kwargs")
+        fields = (
+            "evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
+            "generation.chat_template_kwargs",
+        )  # fmt: skip
+    elif asset == "drafter_release":
+        fields = ("evaluation.release_min_acceptance",)
     else:
         raise KeyError(asset)
     return {f: _field(settings, f) for f in fields}

@@ -156,6 +156,21 @@ class TrainingSettings(_Section):
     seed: int = 0
     checkpoint_every: int = Field(200, ge=1, description="optimizer steps between resumable checkpoints")
     heldout_rows: int = Field(64, ge=0, description="rows held out of training to report acc_k")
+    # Checkpoint choice (README, "Choosing the checkpoint"): the held-out acceptance estimate ranks
+    # checkpoints where loss does not; evaluating 64 rows costs about what a few training steps cost.
+    eval_every: int = Field(
+        200, ge=1, description="optimizer steps between held-out evaluations (loss, acc_k, acceptance estimate); "
+        "the last step is always evaluated",
+    )  # fmt: skip
+    export_checkpoint: Literal["best", "last"] = Field(
+        "best",
+        description="export the evaluated weights with the highest estimated acceptance length at k=3, or the "
+        "last step's (the last checkpoint stays in drafter/checkpoints either way)",
+    )
+    early_stop_evals: int | None = Field(
+        None, ge=1, description="stop once this many held-out evaluations in a row did not raise the estimate; "
+        "None = train the whole schedule",
+    )  # fmt: skip
     device: Literal["auto", "cpu", "cuda"] = "auto"
     launch: LaunchSettings = LaunchSettings()
     # The recipe. Defaults by the ablation (BENCHMARKS.md): the three norms together drafted
@@ -196,6 +211,21 @@ class TrainingSettings(_Section):
                     f"{', '.join(flags)}: SGLang's EAGLE-3 drafter has no such option and would serve this export "
                     "without it, drafting wrongly; remove 'sglang' from training.serve_with to use it (vLLM reads it)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _evaluated(self) -> TrainingSettings:
+        if self.heldout_rows == 0 and (self.early_stop_evals is not None or "export_checkpoint" in self.model_fields_set
+                                       and self.export_checkpoint == "best"):  # fmt: skip
+            raise ValueError(
+                "heldout_rows: 0 leaves nothing to evaluate, so early_stop_evals and export_checkpoint: best have "
+                "nothing to go by; hold rows out (heldout_rows > 0) or remove those settings"
+            )
+        if self.mode == "rolling" and self.early_stop_evals is not None:
+            raise ValueError(
+                "early_stop_evals: rolling mode trains and releases each shard as it lands; stopping early would "
+                "leave the rest extracted for nothing or never released. Remove it, or use mode: offline"
+            )
         return self
 
     @model_validator(mode="after")
@@ -279,7 +309,8 @@ class AlertSettings(_Section):
 
 
 class EvaluationSettings(_Section):
-    """`drafter_eval`: five vLLM passes over the held-out prompts (plain, then k=3 and k=7, features kept and zeroed)."""
+    """`drafter_eval`: five vLLM passes over the held-out prompts (plain, then k=3 and k=7, features kept and zeroed),
+    and two more (k=3, k=7) for each drafter served beside ours (the released one, the reference)."""
 
     max_new_tokens: int | None = Field(
         None, ge=1, description="tokens decoded per held-out prompt in each pass; None = generation.max_new_tokens"
@@ -290,6 +321,17 @@ class EvaluationSettings(_Section):
         gt=0,
         description="the slowest decode (tokens/s over all prompts) a pass may run at before it counts as stuck: "
         "the timeout is passes x (engine_load_s + prompts x max_new_tokens / this)",
+    )
+    reference_drafter: str | None = Field(
+        None,
+        description="a local EAGLE-3 export directory (config.json + model.safetensors), e.g. the drafter published "
+        "for the target: served at k=3 and k=7 beside ours on the same prompts and reported as `reference`",
+    )
+    release_min_acceptance: float = Field(
+        1.05,
+        ge=1.0,
+        description="`drafter_release` never releases an export serving below this mean acceptance length at any k: "
+        "at 1.0 no draft is ever accepted (a zeroed or misloaded head)",
     )
 
 

@@ -2,7 +2,7 @@
 
 Phase after phase, each run recorded in $DAGSTER_HOME as if launched from the UI: the data
 assets (prompts … vocab_map) in one run, then every registered shard in a run of its own (its
-own retries, its own `gpu` slot), then `drafter`, then `drafter_eval`. In rolling mode
+own retries, its own `gpu` slot), then `drafter`, then `drafter_eval` and `drafter_release`. In rolling mode
 (`training.mode: rolling`) `drafter` trains while the shards are extracted, each as the
 window admits it. The same command after a
 crash or a kill resumes: runs left by a dead process are failed first (their slots freed), and
@@ -60,9 +60,9 @@ if TYPE_CHECKING:
 LAUNCHED_BY = "eagle3/launched_by"
 RESPONSES = AssetKey("responses")
 DRAFTER = AssetKey("drafter")
-AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval")]
+AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval"), AssetKey("drafter_release")]
 ROLLING_POLL_S = 2.0
-THROUGH = ("hidden_states", "drafter", "drafter_eval")
+THROUGH = ("hidden_states", "drafter", "drafter_eval", "drafter_release")
 
 Log = Callable[[str], None]
 
@@ -175,7 +175,7 @@ class GraphStart:
                 todo.append(key)
         return todo
 
-    def run(self, *, through: str = "drafter_eval", redo_from: AssetKey | None = None) -> bool:
+    def run(self, *, through: str = "drafter_release", redo_from: AssetKey | None = None) -> bool:
         """Data assets, then each unfinished shard, then the drafter and its evaluation; False at the first failure."""
         self.log(f"{len(sweep_dead_runs(self.instance))} run(s) of dead processes failed and their slots freed")
         order = self.graph.toposorted_asset_keys
@@ -257,12 +257,12 @@ class GraphStart:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m eagle3_assets.start",
-        description="Run the whole graph (data, every shard, drafter, drafter_eval) into $DAGSTER_HOME; "
+        description="Run the whole graph (data, every shard, drafter, drafter_eval, drafter_release) into $DAGSTER_HOME; "
         "run it again to resume. Settings from $EAGLE3_CONFIG (the demo without it), artifacts under $EAGLE3_ROOT.",
     )
     parser.add_argument("--list-shards", action="store_true", help="print every shard key and its state, then exit")
     parser.add_argument("--shard", action="append", default=[], metavar="KEY", help="(re)extract only this shard")
-    parser.add_argument("--through", choices=THROUGH, default="drafter_eval", help="stop after this asset")
+    parser.add_argument("--through", choices=THROUGH, default="drafter_release", help="stop after this asset")
     parser.add_argument("--from", dest="redo_from", metavar="ASSET", help="redo ASSET and everything after it")
     return parser
 

@@ -24,7 +24,7 @@ from dagster import (
 from dagster._core.test_utils import instance_for_test
 
 from eagle3_assets.defs.data.automation import data_condition
-from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition
+from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
 from eagle3_assets.project import Project
@@ -139,7 +139,12 @@ def graph_defs(project: Project) -> Definitions:
 
     drafter = stand_in(project, "drafter", deps=[vocab_map, hidden_states], automation_condition=drafter_condition(project))
     drafter_eval = stand_in(project, "drafter_eval", deps=[drafter], automation_condition=drafter_eval_condition(project))
-    return Definitions(assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval], asset_checks=[shard_integrity])
+    drafter_release = stand_in(
+        project, "drafter_release", deps=[drafter_eval], automation_condition=drafter_release_condition(project)
+    )
+    return Definitions(
+        assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval, drafter_release], asset_checks=[shard_integrity]
+    )
 
 
 class Ticks:
@@ -165,7 +170,7 @@ class Ticks:
 
 
 @pytest.mark.parametrize("rolling", [False, True], ids=["offline", "rolling"])
-def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_follows(rolling, tmp_path):
+def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_and_release_follow(rolling, tmp_path):
     project = project_at(tmp_path, training=TrainingSettings(mode="rolling" if rolling else "offline"))
     with instance_for_test() as instance:
         after = Ticks(instance, graph_defs(project)).after
@@ -184,8 +189,10 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_fol
         assert after(["hidden_states"], "rows_40-45", bad="rows_40-45") == []  # every shard in, one failed its check
         assert after(["hidden_states"], "rows_40-45") == ["drafter"]
         assert after([]) == []  # requested once
+        # A retrain is evaluated, then released by itself (when it is no worse: `drafter_release`'s check).
         assert after(["drafter"]) == ["drafter_eval"]
-        assert after(["drafter_eval"]) == []
+        assert after(["drafter_eval"]) == ["drafter_release"]
+        assert after(["drafter_release"]) == []
 
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):

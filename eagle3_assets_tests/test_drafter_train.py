@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from safetensors.torch import save as st_save
 
 from eagle3_assets.drafter.checkpoint import CheckpointError, checkpoint_rel, list_checkpoints, save_checkpoint
 from eagle3_assets.drafter.launch import LaunchRefused, refuse_another_world_size
+from eagle3_assets.drafter.run import export_choice
+from eagle3_assets.drafter.selection import BEST_DIR
 from eagle3_assets.drafter.train import (
     NonFiniteLossError,
     TrainingError,
@@ -243,7 +246,7 @@ def test_drafter_learns_a_peaked_target(tmp_path):
     assert first["acc_0"] < 0.5 and last["acc_0"] > 0.9 and last["acc_1"] > 0.85
     assert last["loss"] < first["loss"] / 2
     assert last["lr"] < 1e-4  # cosine decayed to ~0 at the end
-    assert set(result.heldout) == {"loss", "loss_0", "loss_1", "acc_0", "acc_1"}
+    assert set(result.heldout) == {"loss", "loss_0", "loss_1", "acc_0", "acc_1", "accept_len_k3", "accept_len_k7"}
 
 
 TWO_RANK_RUN = textwrap.dedent(
@@ -390,3 +393,46 @@ def test_the_drafter_log_says_when_warmup_is_too_long_for_the_run(tmp_path, data
     )  # fmt: skip
     assert short_run_warning(settings, 4) in logs
     assert not [line for line in logs if "warmup_steps" in line and line != short_run_warning(settings, 4)]
+
+
+def test_held_out_evaluations_as_it_trains_keep_the_best_weights_and_stop_early(tmp_path, data):
+    root, keys, vmap = data
+    store = copy_store(data, tmp_path / "s")
+    early = SETTINGS.model_copy(update={"eval_every": 2, "early_stop_evals": 1})
+    lines: list[str] = []
+    observed: dict[int, dict[str, float]] = {}
+
+    def train(settings: TrainingSettings = early):
+        return train_drafter(
+            store, keys, vmap=vmap, target=target_of(root / "target"), settings=settings, log=lines.append,
+            on_eval=observed.__setitem__,
+        )  # fmt: skip
+
+    result = train()
+    # The estimate fell at step 4 (1.069 -> 1.034 on 29 held-out chains): one evaluation without a rise stops it.
+    assert (result.step, result.total_steps, result.finished, result.stopped_early) == (4, 10, True, True)
+    evals = result.evaluations
+    assert [e["step"] for e in evals] == [2, 4] and result.best == evals[0]
+    assert round(evals[0]["accept_len_k3"], 3) == 1.069 and round(evals[1]["accept_len_k3"], 3) == 1.034
+    assert observed[4] == {f"heldout_{k}": v for k, v in evals[1].items() if k != "step"}
+    assert result.heldout == {k: v for k, v in evals[1].items() if k != "step"}
+    assert any(re.fullmatch(
+        r"drafter: step 4/10 held-out loss [\d.]+ acc_k [\d.]+ [\d.]+ [\d.]+ accept_len k=3 1\.034 k=7 1\.034 "
+        r"\(best accept_len_k3 1\.069 at step 2\)", line) for line in lines), lines  # fmt: skip
+    assert "drafter: stopping early at step 4: 1 held-out evaluation(s) without a rise (training.early_stop_evals)" in lines
+    # The history travels in the checkpoint; the best weights are kept beside it.
+    assert store.read_json(f"{checkpoint_rel(4)}/state.json")["evals"] == evals
+    assert store.read_json(f"{BEST_DIR}/state.json")["evaluation"] == evals[0]
+    best, best_step = export_choice(store, result, "best", lines.append)
+    last, last_step = export_choice(store, result, "last", lines.append)
+    assert (best_step, last_step) == (2, 4)
+    assert not torch.equal(best["fc.weight"], last["fc.weight"])
+    assert torch.equal(last["fc.weight"], result.model.trainable_state_dict()["fc.weight"])
+
+    again = train()  # stopped early is finished: nothing more runs
+    assert (again.step, again.resumed_from, again.stopped_early, again.evaluations) == (4, 4, True, evals)
+    assert sorted(observed) == [2, 4]
+    # The early stop is not part of the run: without it the same run trains on to its end.
+    rest = train(early.model_copy(update={"early_stop_evals": None}))
+    assert (rest.resumed_from, rest.step, rest.stopped_early) == (4, 10, False)
+    assert [e["step"] for e in rest.evaluations] == [2, 4, 6, 8, 10]

@@ -315,11 +315,11 @@ def test_the_definitions_load_with_the_k8s_executor(monkeypatch):
     assert job.executor_def.name == "eagle3_k8s_executor"
     assert sorted(k.to_user_string() for k in defs.resolve_all_asset_keys()) == sorted(
         ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map", "hidden_states", "drafter",
-         "drafter_eval"]
+         "drafter_eval", "drafter_release"]
     )  # fmt: skip
     assert definition_ops() == {
         "prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map", "hidden_states", "drafter",
-        "drafter_eval", "tokenized_reasoning_coverage", "vocab_map_vocab_map_invariant", "hidden_states_shard_integrity",
+        "drafter_eval", "drafter_release", "tokenized_reasoning_coverage", "vocab_map_vocab_map_invariant", "hidden_states_shard_integrity",
         "verify_all_shards",
     }  # fmt: skip
 

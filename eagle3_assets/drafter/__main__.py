@@ -50,7 +50,7 @@ def train(report: Report, max_steps: int | None) -> DrafterRun:
                 "drafter refuses to train: " + "; ".join(f"{k}: _SUCCESS.json {p}" for k, p in bad.items())
             )
     run = train_and_export(
-        store, target, settings, [s.key for s in shards], on_metrics=report.metrics, log=report.log,
+        store, target, settings, [s.key for s in shards], on_metrics=report.metrics, on_eval=report.evaluation, log=report.log,
         max_steps=max_steps,
     )  # fmt: skip
     report.finished(run_figures(store, run))

@@ -14,6 +14,13 @@ Each prompt is rendered as `responses` renders it: with the run-wide
 kwargs, e.g. thinking on and off) are decoded together and the acceptance is also
 reported per mode (`acceptance_by_mode`): a drafter serving a hybrid target is scored
 on each mode it will serve.
+
+Other drafters are served beside ours on the same prompts, at the same k, in the same
+engine, and reported under `beside`: the released one (`drafter/release/`, which
+`drafter_release` compares ours against) and `evaluation.reference_drafter`, any EAGLE-3
+export directory (e.g. the one published for the target). The report has the form vLLM's
+own acceptance tests use: greedy, the chat template, k=3 and k=7, the mean acceptance
+length and the acceptance rate per draft position, the eval file named.
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ from transformers import PreTrainedTokenizerBase
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
+from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD, RELEASED, export_digest
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
-from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_runs_in_subprocess
-from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
+from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
@@ -46,12 +54,20 @@ from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_
 
 EVAL_REPORT_FILE = "drafter_eval/report.json"
 SPECULATIVE_TOKENS = (3, 7)
+REFERENCE = "reference"
+
+
+class ReferenceDrafterMissing(Refusal):
+    """`evaluation.reference_drafter` is not an export directory."""
 
 
 @dataclass
 class EvalReport:
     prompts: int
     max_tokens: int
+    prompts_file: str = ""  # where the held-out prompts came from
+    export_sha256: str = ""  # which export was served (`release.export_digest`)
+    engine: str = ""  # the engine and its version
     acceptance: dict[str, float] = field(default_factory=dict)  # "k3" -> mean acceptance length
     acceptance_zeroed: dict[str, float] = field(default_factory=dict)  # features zeroed
     modes: dict[str, int] = field(default_factory=dict)  # chat-template kwargs (mode_label) -> prompts
@@ -61,6 +77,14 @@ class EvalReport:
     token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
     off_reference: list[str] = field(default_factory=list)  # prompt ids answered unlike their reference
     mismatches: list[dict] = field(default_factory=list)
+    beside: dict[str, dict[str, Any]] = field(default_factory=dict)  # other drafters served: name -> their figures
+
+    def add_beside(self, name: str, directory: str, k: int, plain: GenerationResult, spec: GenerationResult) -> None:
+        """Another drafter's run at k: its acceptance in the report's form, and whether its output stayed greedy."""
+        figures = self.beside.setdefault(name, {"dir": directory, "outputs_match_greedy": True})
+        figures[f"mean_acceptance_length_k{k}"] = round(spec.mean_acceptance_length, 4)
+        figures[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in spec.acceptance_per_position]
+        figures["outputs_match_greedy"] &= spec.outputs == plain.outputs
 
     def add_run(
         self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None]
@@ -86,7 +110,11 @@ class EvalReport:
         return self.acceptance[f"k{k}"] / zeroed if zeroed else 0.0
 
     def as_metadata(self) -> dict[str, object]:
-        meta: dict[str, object] = {"prompts": self.prompts, "max_tokens": self.max_tokens}
+        meta: dict[str, object] = {
+            "prompts": self.prompts, "max_tokens": self.max_tokens, "prompts_file": self.prompts_file, "engine": self.engine,
+            "export_sha256": self.export_sha256,
+            "greedy": True, "chat_template": True,
+        }  # fmt: skip
         for k in SPECULATIVE_TOKENS:
             meta[f"mean_acceptance_length_k{k}"] = round(self.acceptance[f"k{k}"], 4)
             meta[f"mean_acceptance_length_k{k}_features_zeroed"] = round(self.acceptance_zeroed[f"k{k}"], 4)
@@ -105,6 +133,9 @@ class EvalReport:
             meta[f"eval_tokens_{c}"] = acc.predictions[0]
         meta["eval_rows_off_reference"] = len(self.off_reference)
         meta["outputs_match_greedy"] = self.outputs_match
+        for name, figures in self.beside.items():  # flat numbers too: the UI plots them beside ours
+            meta.update({f"{name}_mean_acceptance_length_k{k}": figures[f"mean_acceptance_length_k{k}"] for k in SPECULATIVE_TOKENS})
+        meta["beside"] = self.beside
         return meta
 
 
@@ -159,6 +190,32 @@ def eval_prompt_ids(
     ]
 
 
+def beside_drafters(store: ArtifactStore, settings: EvaluationSettings, tmp: Path) -> dict[str, Path]:
+    """The drafters served beside ours: the released one when there is one, and the reference when set."""
+    out: dict[str, Path] = {}
+    if store.exists(RELEASE_RECORD):
+        out[RELEASED] = local_copy(store, RELEASE_DIR, tmp / "release")
+    if settings.reference_drafter is not None:
+        ref = Path(settings.reference_drafter)
+        missing = [n for n in ("config.json", "model.safetensors") if not (ref / n).is_file()]
+        if missing:
+            raise ReferenceDrafterMissing(
+                f"evaluation.reference_drafter {ref}: no {' or '.join(missing)} there; name a local EAGLE-3 export "
+                "directory (download a published drafter first) or remove the setting"
+            )
+        out[REFERENCE] = ref
+    return out
+
+
+def local_copy(store: ArtifactStore, rel: str, dest: Path) -> Path:
+    """`rel` as a local directory: itself on a local store, else copied to `dest` (engines load local paths)."""
+    local = store.local_path(rel)
+    if local is not None:
+        return local
+    store.fs.get(store.path(rel) + "/", str(dest), recursive=True)
+    return dest
+
+
 def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, max_tokens: int) -> float:
     """Engine loads plus decoding at the slowest rate accepted, for every pass: the timeout grows with the work."""
     return passes * (settings.engine_load_s + prompts * max_tokens / settings.min_tokens_per_s)
@@ -178,22 +235,25 @@ def evaluate_drafter(
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
     max_tokens = max_tokens or settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
-    report = EvalReport(prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)))
+    report = EvalReport(
+        prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)),
+        prompts_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
+        export_sha256=export_digest(store),
+    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
-        export_dir = Path(tmp) / "export"
-        store_export = store.local_path(EXPORT_DIR)
-        if store_export is None:
-            store.fs.get(store.path(EXPORT_DIR) + "/", str(export_dir), recursive=True)
-        else:
-            export_dir = store_export
+        export_dir = local_copy(store, EXPORT_DIR, Path(tmp) / "export")
+        beside = [(name, d, k) for name, d in beside_drafters(store, settings.evaluation, Path(tmp)).items()
+                  for k in SPECULATIVE_TOKENS]  # fmt: skip
 
         variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
         labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
+        labels += [f"{name} k={k}" for name, _, k in beside]
         timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
         log(
             f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM ({max_tokens} tokens each), "
             f"plain and with the drafter at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, "
-            f"then zeroed): {len(labels)} passes, timeout {timeout_s:.0f}s"
+            f"then zeroed){''.join(f', {name} beside' for name, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
+            f"{len(labels)} passes, timeout {timeout_s:.0f}s"
         )
         started = time.monotonic()
 
@@ -204,13 +264,17 @@ def evaluate_drafter(
         plain, *speculative = generate_runs_in_subprocess(
             target.path,
             prompt_ids,
-            [{}] + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants],
+            [{}]
+            + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants]
+            + [{"draft_dir": d, "num_speculative_tokens": k} for _, d, k in beside],
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
             timeout_s=timeout_s,
             on_result=on_result,
         )
-        for (k, zeroed), spec in zip(variants, speculative, strict=True):
+        for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
             report.add_run(k, zeroed, plain, spec, log)
+        for (name, d, k), spec in zip(beside, speculative[len(variants) :], strict=True):
+            report.add_beside(name, str(d), k, plain, spec)
         log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
         report.token_accuracy, report.off_reference = token_class_accuracy(
             target, settings, export_dir, prompts, prompt_ids, plain.outputs

@@ -1,4 +1,5 @@
-"""Training figures: per-step counts summed over batches and ranks, reported as loss / loss_k / acc_k."""
+"""Training figures: per-step counts summed over batches and ranks, reported as loss / loss_k / acc_k and the
+acceptance length they estimate (`acceptance.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3_assets.drafter.acceptance import acceptance_estimates
 from eagle3_assets.drafter.distributed import all_reduce_sum
 from eagle3_assets.drafter.ttt import TTTOutput
 
@@ -20,11 +22,15 @@ class StepCounts:
     positions: torch.Tensor  # [K] positions averaged
     correct: torch.Tensor  # [K]
     kept: torch.Tensor  # [K]
+    runs: torch.Tensor  # [K+1] chain run-length histogram
 
     @classmethod
     def zeros(cls, k: int) -> StepCounts:
         zeros = torch.zeros(k, dtype=torch.int64)
-        return cls(torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64), zeros, zeros.clone())
+        return cls(
+            torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64), zeros, zeros.clone(),
+            torch.zeros(k + 1, dtype=torch.int64),
+        )  # fmt: skip
 
     def add(self, out: TTTOutput) -> None:
         n = out.averaged_over.double().cpu()
@@ -32,10 +38,15 @@ class StepCounts:
         self.positions += n
         self.correct += out.correct.cpu()
         self.kept += out.kept.cpu()
+        self.runs += out.runs.cpu()
 
     def all_reduce(self) -> StepCounts:
-        packed = all_reduce_sum(torch.stack([self.loss_sum, self.positions, self.correct.double(), self.kept.double()]))
-        return StepCounts(packed[0], packed[1], packed[2].long(), packed[3].long())
+        k = len(self.kept)
+        packed = all_reduce_sum(
+            torch.cat([self.loss_sum, self.positions, self.correct.double(), self.kept.double(), self.runs.double()])
+        )
+        loss_sum, positions, correct, kept, runs = packed.split([k, k, k, k, k + 1])
+        return StepCounts(loss_sum, positions, correct.long(), kept.long(), runs.long())
 
     def metrics(self, step_weight: float, prefix: str = "") -> dict[str, float]:
         losses = self.loss_sum / self.positions.clamp(min=1)
@@ -43,4 +54,4 @@ class StepCounts:
         for k in range(len(losses)):
             m[f"{prefix}loss_{k}"] = float(losses[k])
             m[f"{prefix}acc_{k}"] = float(self.correct[k]) / max(int(self.kept[k]), 1)
-        return m
+        return m | acceptance_estimates(self.runs, prefix)

@@ -2,8 +2,8 @@
 
 One process speaks to Dagster: the first rank on the node that launched the job (only that
 node's torchrun has the Pipes environment), which on one node is rank 0. It sends its logs, a
-progress observation every OBSERVE_EVERY steps (both only where it is rank 0: training logs there)
-and the figures of the finished run (equal on every rank). `dagster_pipes` is the small protocol package made for processes
+progress observation every OBSERVE_EVERY steps and one per held-out evaluation (all only where it is
+rank 0: training logs there) and the figures of the finished run (equal on every rank). `dagster_pipes` is the small protocol package made for processes
 Dagster starts; it imports no Dagster, so the command line keeps working where Dagster is absent.
 """
 
@@ -32,6 +32,11 @@ class Report:
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         if self.pipes is not None and step % OBSERVE_EVERY == 0:
+            self.pipes.report_custom_message({"kind": METRICS_MESSAGE, "step": step, **values})
+
+    def evaluation(self, step: int, values: Mapping[str, float]) -> None:
+        """Every held-out evaluation is observed (they are few): the UI plots the acceptance estimate."""
+        if self.pipes is not None:
             self.pipes.report_custom_message({"kind": METRICS_MESSAGE, "step": step, **values})
 
     def finished(self, figures: Mapping[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """Train and export the drafter: the one path the `drafter` asset and `python -m eagle3_assets.drafter` share.
 
-Training resumes from the newest checkpoint; once it reaches its last step, rank 0
-exports the drafter (checked against what engines load, `export.py`) and writes
-`drafter/metrics.json`, the figures `drafter_eval` reports beside its own.
+Training resumes from the newest checkpoint; once it reaches its last step (or stops early),
+rank 0 exports the drafter (checked against what engines load, `export.py`): the evaluated
+weights with the best acceptance estimate, or the last step's (`training.export_checkpoint`).
+It writes `drafter/metrics.json`, the figures `drafter_eval` reports beside its own.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
 from eagle3_assets.provenance import Inputs, expected
@@ -38,6 +43,7 @@ def train_and_export(
     shard_keys: Sequence[str],
     *,
     on_metrics: MetricsCallback | None = None,
+    on_eval: MetricsCallback | None = None,
     log: LogFn = print,
     max_steps: int | None = None,
 ) -> DrafterRun:
@@ -47,20 +53,41 @@ def train_and_export(
     inputs = expected("drafter", Inputs(settings, store)).inputs
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
-        on_metrics=on_metrics, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
+        on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
     )  # fmt: skip
+    best = result.best
     summary = {
         "step": result.step,
         "total_steps": result.total_steps,
         "resumed_from": result.resumed_from if result.resumed_from is not None else -1,
         **{f"train_{k}": round(v, 5) for k, v in result.metrics.items()},
         **{f"heldout_{k}": round(v, 5) for k, v in result.heldout.items()},
+        "stopped_early": result.stopped_early,
+        **({f"best_{k}": round(v, 5) if isinstance(v, float) else v for k, v in best.items()} if best else {}),
     }
     url = None
     if result.finished and DistEnv.from_environ().is_main:
-        url = export_drafter(store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids)
+        tensors, summary["exported_step"] = export_choice(store, result, settings.training.export_checkpoint, log)
+        url = export_drafter(store, tensors, result.config, aux_layer_ids=result.aux_layer_ids)
         store.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
+
+
+def export_choice(
+    store: ArtifactStore, result: TrainResult, choice: str, log: LogFn
+) -> tuple[dict[str, torch.Tensor], int]:
+    """(tensors, their step) to export: the best evaluation's weights, or the last step's."""
+    best = result.best
+    if choice == "best" and best is not None and best["step"] != result.step:
+        tensors = load_best(store, best["step"], result.fingerprint)
+        if tensors is not None:
+            log(
+                f"drafter: exporting step {best['step']} (held-out accept_len_k3 {best['accept_len_k3']:.3f}), the best "
+                f"evaluation; the last step {result.step} stays in {store.url_of(CHECKPOINTS_DIR)}"
+            )
+            return tensors, best["step"]
+        log(f"drafter: the weights of the best step {best['step']} are not in {store.url_of(BEST_DIR)}: exporting the last")
+    return result.model.trainable_state_dict(), result.step
 
 
 def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
@@ -70,6 +97,7 @@ def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
     return {
         **run.summary,
         "aux_layer_ids": run.result.aux_layer_ids,
+        "evaluations": run.result.evaluations,
         "export": store.url_of(EXPORT_DIR) if run.result.finished else "",
         "checkpoint": store.url_of(run.result.checkpoint),
         "tensorboard": store.url_of(TENSORBOARD_DIR),

@@ -60,6 +60,7 @@ from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.rolling import RollingLoader, RollingPlan, ShardWindow
+from eagle3_assets.drafter.selection import Evaluation, best_index, save_best, stops_early
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
 from eagle3_assets.drafter.tensorboard import TensorBoard
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
@@ -173,12 +174,21 @@ class TrainResult:
     total_steps: int  # steps the settings ask for
     finished: bool  # step == total_steps (False when stopped by max_steps)
     metrics: dict[str, float]  # the last step's metrics (from the checkpoint when this call ran no step)
-    heldout: dict[str, float]  # loss / acc_k over the held-out rows, when finished and any are held out
+    heldout: dict[str, float]  # loss / acc_k / accept_len_k over the held-out rows, when finished and any are held out
     checkpoint: str  # the newest checkpoint directory (store-relative)
     resumed_from: int | None  # step of the checkpoint this call started from
     config: DrafterConfig
     aux_layer_ids: list[int]
     model: Eagle3Drafter = field(repr=False)  # trained, on CPU
+    fingerprint: dict[str, Any] = field(repr=False)  # the run's (`run_fingerprint`)
+    evaluations: list[Evaluation] = field(default_factory=list)  # held-out evaluations, in step order
+    stopped_early: bool = False  # finished before total_steps by training.early_stop_evals
+
+    @property
+    def best(self) -> Evaluation | None:
+        """The evaluation with the highest estimate (`selection.py`)."""
+        i = best_index(self.evaluations)
+        return None if i is None else self.evaluations[i]
 
 
 def run_fingerprint(
@@ -274,6 +284,7 @@ class _Run:
     # With training.sample_ledger: [step, rows of the step's batch over all ranks], every step this run's
     # checkpoints hold, saved in each of them.
     ledger: list[list] | None
+    evals: list[Evaluation] = field(default_factory=list)  # held-out evaluations so far, saved in each checkpoint
 
     def train_step(self, step: int, batch: Batch) -> dict[str, float]:
         """One optimizer step, top to bottom; its metrics summed over ranks."""
@@ -337,6 +348,7 @@ class _Run:
                     "drafter_config": self.cfg.to_dict(),
                     "aux_layer_ids": list(self.fmt.aux_layer_ids),
                     "metrics": metrics,
+                    "evals": self.evals,
                     **({"ledger": self.ledger} if self.ledger is not None else {}),
                 },
             )  # fmt: skip
@@ -347,9 +359,10 @@ class _Run:
 
     def train_until(
         self, stop_at: int, step: int, pos: DataPosition, *, tb: TensorBoard | None, on_metrics: MetricsCallback | None,
-        log: LogFn, log_every: int,
+        on_eval: MetricsCallback | None, log: LogFn, log_every: int,
     ) -> tuple[int, dict[str, float], str]:  # fmt: skip
-        """Steps from `step` (data from `pos`) to `stop_at`; (step, last metrics, last checkpoint)."""
+        """Steps from `step` (data from `pos`) to `stop_at`, or to an early stop; (step, last metrics, last
+        checkpoint)."""
         self.model.train()
         metrics: dict[str, float] = {}
         ckpt = ""
@@ -375,15 +388,48 @@ class _Run:
                             f"drafter: step {step}/{self.total_steps} loss {metrics['loss']:.4f} acc_k {accs} "
                             f"lr {metrics['lr']:.2e}"
                         )
+                stop = False
+                # Rolling: the held-out rows are read from their copies, made once the first shard is consumed; a
+                # last step inside the first shard is evaluated after the loop, once it is.
+                heldout_ready = self.window is None or pos.epoch > 0
+                if self.heldout and heldout_ready and (step % self.settings.eval_every == 0 or step == self.total_steps):
+                    self.evaluation(step, tb=tb, on_eval=on_eval, log=log)
+                    stop = stops_early(self.evals, self.settings.early_stop_evals)
+                    if stop and self.env.is_main:
+                        log(
+                            f"drafter: stopping early at step {step}: {self.settings.early_stop_evals} held-out "
+                            "evaluation(s) without a rise (training.early_stop_evals)"
+                        )
                 shard_done = self.window is not None and self.loader.ends_shard(pos)
-                if step % self.settings.checkpoint_every == 0 or step == stop_at or shard_done:
+                if step % self.settings.checkpoint_every == 0 or step == stop_at or shard_done or stop:
                     ckpt = self.checkpoint(step, self.loader.position_after(pos), metrics, tb)
                 if shard_done:
                     crash_point(f"checkpointed:{self.window.plan.keys[pos.epoch]}")
                     self.window.consumed(pos.epoch, step)
-                if step >= stop_at:
+                if step >= stop_at or stop:
                     break
         return step, metrics, ckpt
+
+    def evaluation(
+        self, step: int, *, tb: TensorBoard | None, on_eval: MetricsCallback | None, log: LogFn
+    ) -> Evaluation:
+        """Evaluate the held-out rows now (every rank), record it, and keep the weights when it is the best so far."""
+        heldout = self.evaluate_heldout()
+        record: Evaluation = {"step": step, **heldout}
+        self.evals.append(record)
+        best = self.evals[best_index(self.evals) or 0]
+        if self.env.is_main:
+            if best is record:
+                save_best(self.store, self.model.trainable_state_dict(), record, self.fingerprint)
+            if tb is not None:
+                tb.scalars(step, {f"heldout_{k}": v for k, v in heldout.items()})
+            if on_eval is not None:
+                on_eval(step, {f"heldout_{k}": v for k, v in heldout.items()})
+            log(
+                f"drafter: step {step}/{self.total_steps} held-out {heldout_line(heldout, self.settings.ttt_steps)} "
+                f"(best accept_len_k3 {best['accept_len_k3']:.3f} at step {best['step']})"
+            )
+        return record
 
     def evaluate_heldout(self) -> dict[str, float]:
         s, env = self.settings, self.env
@@ -393,6 +439,15 @@ class _Run:
             self.model, self.head, loader, heldout_batches(self.heldout, budget, env.rank, env.world_size),
             settings=s, device=self.device,
         )  # fmt: skip
+
+
+def heldout_line(heldout: dict[str, float], ttt_steps: int) -> str:
+    """loss, acc_k and the acceptance estimate, as the progress lines print them."""
+    accs = " ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(ttt_steps))
+    return (
+        f"loss {heldout['loss']:.4f} acc_k {accs} accept_len k=3 {heldout['accept_len_k3']:.3f} "
+        f"k=7 {heldout['accept_len_k7']:.3f}"
+    )
 
 
 def _offline_data(
@@ -545,6 +600,7 @@ def train_drafter(
     target: TargetModel,
     settings: TrainingSettings,
     on_metrics: MetricsCallback | None = None,
+    on_eval: MetricsCallback | None = None,
     log: LogFn = print,
     max_steps: int | None = None,
     intermediate_size: int | None = None,
@@ -558,7 +614,9 @@ def train_drafter(
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
     `on_metrics(step, metrics)` is called on rank 0 after every optimizer step (loss,
-    loss_k, acc_k, lr, grad_norm, tokens, epoch, seconds). `max_steps` stops this call
+    loss_k, acc_k, accept_len_k, lr, grad_norm, tokens, epoch, seconds), `on_eval(step, heldout_*)`
+    after every held-out evaluation (`training.eval_every`; the best one's weights are kept for
+    the export, `selection.py`). `max_steps` stops this call
     once the global step reaches it (a checkpoint is written there), e.g. to train in
     time slices. `resume=False` ignores existing checkpoints; `inputs` (the data's versions) and the settings
     decide whether the newest checkpoint belongs to this run, and `other_run` what happens when it does not. In rolling mode (`settings.mode`)
@@ -575,6 +633,9 @@ def train_drafter(
         )  # fmt: skip
         step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
+        if ckpt_rel:
+            run.evals = list(read_checkpoint_state(store, ckpt_rel).state.get("evals") or [])
+        stopped_early = step < run.total_steps and stops_early(run.evals, settings.early_stop_evals)
         if env.is_main and not ckpt_rel:
             n_tokens = sum(s.length for s in run.loader.samples)
             log(
@@ -587,17 +648,21 @@ def train_drafter(
         tb = TensorBoard(store, step) if env.is_main else None
         heldout: dict[str, float] = {}
         try:
-            if step < stop_at:
-                # Always ends with a checkpoint at stop_at.
+            if step < stop_at and not stopped_early:
+                # Always ends with a checkpoint at stop_at, or at the step it stopped early.
                 step, metrics, ckpt_rel = run.train_until(
-                    stop_at, step, pos, tb=tb, on_metrics=on_metrics, log=log, log_every=log_every
+                    stop_at, step, pos, tb=tb, on_metrics=on_metrics, on_eval=on_eval, log=log, log_every=log_every
                 )
-            if step >= run.total_steps and run.heldout:
-                heldout = run.evaluate_heldout()
-                if tb is not None:
-                    tb.scalars(step, {f"heldout_{k}": v for k, v in heldout.items()})
-                    accs = " ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(settings.ttt_steps))
-                    log(f"drafter: held-out ({len(run.heldout)} rows) loss {heldout['loss']:.4f} acc_k {accs}")
+                stopped_early = step < run.total_steps and stops_early(run.evals, settings.early_stop_evals)
+            if (step >= run.total_steps or stopped_early) and run.heldout:
+                last = run.evals[-1] if run.evals else {}
+                # The last step was evaluated as it trained, unless the checkpoint predates evaluations.
+                heldout = {k: v for k, v in last.items() if k != "step"} if last.get("step") == step else {}
+                if not heldout:
+                    heldout = run.evaluation(step, tb=tb, on_eval=on_eval, log=log)
+                    heldout = {k: v for k, v in heldout.items() if k != "step"}
+                if env.is_main:
+                    log(f"drafter: held-out ({len(run.heldout)} rows) {heldout_line(heldout, settings.ttt_steps)}")
         finally:
             if tb is not None:
                 tb.close()
@@ -608,7 +673,7 @@ def train_drafter(
     return TrainResult(
         step=step,
         total_steps=run.total_steps,
-        finished=step >= run.total_steps,
+        finished=step >= run.total_steps or stopped_early,
         metrics=metrics,
         heldout=heldout,
         checkpoint=ckpt_rel,
@@ -616,4 +681,7 @@ def train_drafter(
         config=run.cfg,
         aux_layer_ids=list(run.fmt.aux_layer_ids),
         model=run.model.cpu(),
+        fingerprint=run.fingerprint,
+        evaluations=run.evals,
+        stopped_early=stopped_early,
     )

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_assets.drafter.acceptance import chain_runs
 from eagle3_assets.drafter.model import Eagle3Drafter, StepIndices, step_indices
 from eagle3_assets.drafter.target_head import Targets
 
@@ -49,6 +50,8 @@ class TTTOutput:
     averaged_over: torch.Tensor
     # [K] differentiable loss_k (`loss` is their weighted sum): data-parallel training reweights them
     step_terms: torch.Tensor
+    # [K+1] int64: positions by how many leading steps were correct there (`acceptance.chain_runs`)
+    runs: torch.Tensor
 
     def metrics(self) -> dict[str, float]:
         m = {"loss": float(self.loss.detach())}
@@ -132,10 +135,14 @@ def ttt_step_loss(
             per_position = per_position + (p * torch.log(p.clamp(min=1e-30))).sum(-1)
     counted = averaged_positions(trained, kept, loss)
     value = (per_position * counted).sum() / counted.sum().clamp(min=1)
-    with torch.no_grad():
-        draft_top1 = logits.argmax(-1)  # [B, Tk] draft ids
-        correct = ((draft_top1 + d2t[draft_top1]) == top1) & kept
-    return value, correct.sum(), kept.sum()
+    return value, draft_hits(logits, top1, kept, d2t).sum(), kept.sum()
+
+
+@torch.no_grad()
+def draft_hits(logits: torch.Tensor, top1: torch.Tensor, kept: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """bool [B, Tk]: kept predictions whose draft argmax, mapped through d2t, is the target's top-1."""
+    draft_top1 = logits.argmax(-1)  # [B, Tk] draft ids
+    return ((draft_top1 + d2t[draft_top1]) == top1) & kept
 
 
 def ttt_forward(
@@ -164,7 +171,7 @@ def ttt_forward(
     trained = torch.stack([trained_positions(loss_mask, lengths, k, loss_positions, segments) for k in range(num_steps)])
     indices = step_indices(needed_indices(trained)) if skip_unscored else None
     every_index = torch.arange(T, device=aux.device).expand(B, T)  # step 0 runs at all of them
-    losses, correct, counted, averaged = [], [], [], []
+    losses, correct, counted, averaged, hits = [], [], [], [], []
     total = torch.zeros((), device=aux.device)
     for k, logits in enumerate(model(input_ids, aux, num_steps, positions, segments, indices)):
         at: StepIndices | None = indices[k - 1] if indices is not None and k > 0 else None
@@ -180,5 +187,11 @@ def ttt_forward(
         correct.append(c)
         counted.append(n)
         averaged.append(averaged_positions(trained_k, kept_k, loss).sum())
+        # Back to [B, T]: padding slots of a step's layout are never kept, so they add nothing.
+        hit = draft_hits(logits, predicted.argmax, kept_k, inner.d2t).long()
+        hits.append(torch.zeros(B, T, dtype=torch.long, device=aux.device).scatter_add_(1, index, hit) > 0)
     terms = torch.stack(losses)
-    return TTTOutput(total, terms.detach(), torch.stack(correct), torch.stack(counted), torch.stack(averaged), terms)
+    runs = chain_runs(torch.stack(hits), trained[0])
+    return TTTOutput(
+        total, terms.detach(), torch.stack(correct), torch.stack(counted), torch.stack(averaged), terms, runs
+    )

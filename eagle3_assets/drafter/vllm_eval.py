@@ -25,6 +25,7 @@ same engine and reads the counters per group (`by_group`): acceptance per servin
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
 import os
 import shutil
@@ -101,6 +102,14 @@ class GenerationResult:
             num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),  # type: ignore[arg-type]
             accepted_per_position=[int(x) for x in counters.get("num_accepted_tokens_per_pos", [])],  # type: ignore[union-attr]
         )
+
+
+def engine_version() -> str:
+    """"vllm <version>", read without importing vLLM (seconds): what a report says it was served with."""
+    try:
+        return f"vllm {importlib.metadata.version('vllm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "vllm (not installed)"
 
 
 def zero_fc_copy(export_dir: str | Path, out_dir: str | Path) -> Path:

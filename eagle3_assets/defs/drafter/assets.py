@@ -1,9 +1,13 @@
-"""`drafter` (training + export) and `drafter_eval` (served in vLLM, acceptance measured)."""
+"""`drafter` (training + export), `drafter_eval` (served in vLLM, acceptance measured) and `drafter_release`
+(the export meant to be served, replaced only by one that serves at least as well)."""
 
 import json
 
 from dagster import (
     AssetCheckKey,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
     AssetsDefinition,
@@ -24,14 +28,17 @@ from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
-from eagle3_assets.drafter.evaluate import evaluate_drafter
+from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.release import RELEASE_DIR, promote, release_decision, released_figures
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import TrainingSettings
 
 GROUP = "drafter"
 DRAFTER = AssetKey("drafter")
+DRAFTER_RELEASE = AssetKey("drafter_release")
+RELEASE_CHECK = "no_regression"
 SHARD_CHECK = AssetCheckKey(HIDDEN_STATES, CHECK_NAME)
 
 
@@ -109,4 +116,55 @@ def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]
     return MaterializeResult(
         data_version=version["data_version"],
         metadata=to_metadata(report.as_metadata()) | {"export": project.store.url_of(EXPORT_DIR)} | version["metadata"],
+    )
+
+
+@asset(
+    key=DRAFTER_RELEASE,
+    group_name=GROUP,
+    deps=[drafter_eval],
+    check_specs=[
+        AssetCheckSpec(
+            RELEASE_CHECK,
+            asset=DRAFTER_RELEASE,
+            blocking=True,
+            description="the new export serves at least as well as the released drafter (same prompts, k and engine), "
+            "greedy, and above evaluation.release_min_acceptance; else it is not released",
+        )
+    ],
+)
+def drafter_release(project: ResourceParam[Project]) -> MaterializeResult:
+    """The drafter meant to be served (`drafter/release/`): the new export once `drafter_eval` found it at least as
+    good as the released one. When it is not, the released drafter stays and the `no_regression` check fails naming
+    both figures (`drafter/release.py`)."""
+    store = project.store
+    with failures():
+        want = Staleness(project).expected("drafter_release")
+    if not store.exists(EVAL_REPORT_FILE):
+        raise refusal(f"no drafter_eval report at {store.url_of(EVAL_REPORT_FILE)}: materialize drafter_eval first")
+    report = store.read_json(EVAL_REPORT_FILE)
+    with failures():
+        decision = release_decision(
+            report, released_figures(store, report), project.settings.evaluation.release_min_acceptance
+        )
+        if decision.promote:
+            promote(store, decision, report)
+    figures = {f"new_{k}": v for k, v in decision.candidate.items()} | {
+        f"released_{k}": v for k, v in (decision.released or {}).items()
+    }
+    version = materialized(project, want)
+    return MaterializeResult(
+        data_version=version["data_version"],
+        metadata=to_metadata({"promoted": decision.promote, "reason": decision.reason, **figures})
+        | {"release": store.url_of(RELEASE_DIR)}
+        | version["metadata"],
+        check_results=[
+            AssetCheckResult(
+                check_name=RELEASE_CHECK,
+                passed=decision.promote,
+                severity=AssetCheckSeverity.ERROR,
+                description=decision.reason,
+                metadata=to_metadata(figures),
+            )
+        ],
     )

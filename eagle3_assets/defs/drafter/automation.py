@@ -6,8 +6,10 @@ check passed against that materialization: a shard missing, running, or failed i
 holds it back, as the drafter would refuse to train (`unusable_shards`). Rolling
 (`training.mode: rolling`) training consumes shards one by one as they pass their check,
 so it starts as soon as one shard has: the rest land while it trains.
-`drafter_eval` follows the drafter it evaluates. Both run again when they are due: made from other
-settings or inputs than the current ones (`defs/provenance.py`), once every input is current.
+`drafter_eval` follows the drafter it evaluates, and `drafter_release` follows `drafter_eval`:
+an improving retrain is released by itself, a worse one fails the release's blocking check. Each runs
+again when it is due: made from other settings or inputs than the current ones (`defs/provenance.py`),
+once every input is current.
 """
 
 from __future__ import annotations
@@ -59,3 +61,7 @@ def _rolling_drafter_condition(project: Project) -> AutomationCondition:
 
 def drafter_eval_condition(project: Project) -> AutomationCondition:
     return follows(project, inputs_current(project)).with_label("after each new drafter")
+
+
+def drafter_release_condition(project: Project) -> AutomationCondition:
+    return follows(project, inputs_current(project)).with_label("after each drafter_eval")

@@ -1,0 +1,127 @@
+"""The released drafter: the export meant to be served, replaced only by one that serves at least as well.
+
+`drafter_eval` serves the new export and, beside it, the released one (same prompts, same k,
+same engine: `evaluate.py`); its report decides. The new export is promoted (copied to
+`drafter/release/` with `release.json`, the figures it was released on) only when
+  - its output equals greedy decoding,
+  - it serves at `evaluation.release_min_acceptance` or more at every k: an export whose drafts
+    are never accepted (a zeroed or misloaded head serves at 1.0) is never released, not even first,
+  - and it serves at least the released drafter's mean acceptance length at every k.
+Otherwise the released drafter stays and the decision's reason names both figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.errors import Refusal
+from eagle3_assets.storage import ArtifactStore
+
+RELEASE_DIR = "drafter/release"
+RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
+RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
+
+
+class NotComparable(Refusal):
+    """The report is not of the export now in the store, or lacks the released drafter's figures beside it."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+    candidate: dict[str, float]  # "k3" -> mean acceptance length of the new export
+    released: dict[str, float] | None  # the released drafter's, served beside it; None when nothing is released
+
+
+def acceptance_of(figures: dict[str, Any]) -> dict[str, float]:
+    """"k3" -> mean acceptance length, from a report (or a drafter served beside) in `EvalReport.as_metadata` form."""
+    prefix = "mean_acceptance_length_k"
+    return {
+        f"k{name[len(prefix):]}": float(v)
+        for name, v in figures.items()
+        if name.startswith(prefix) and name[len(prefix) :].isdigit()
+    }
+
+
+def release_decision(report: dict[str, Any], released: dict[str, float] | None, min_acceptance: float) -> Decision:
+    """Whether the export `report` evaluated replaces the released drafter (module docstring)."""
+    new = acceptance_of(report)
+
+    def decision(promote: bool, reason: str) -> Decision:
+        return Decision(promote, reason, new, released)
+
+    if not report.get("outputs_match_greedy", False):
+        return decision(False, "the new export changed the greedy output under speculative decoding: never released")
+    if low := [k for k, v in new.items() if v < min_acceptance]:
+        k = low[0]
+        return decision(
+            False,
+            f"the new export serves at mean acceptance length {new[k]:.3f} at k={k[1:]}, below "
+            f"evaluation.release_min_acceptance {min_acceptance:g}: its drafts are (almost) never accepted, as with "
+            "a zeroed or misloaded head; never released",
+        )
+    if released is None:
+        return decision(True, "first release: " + ", ".join(f"k={k[1:]} {v:.3f}" for k, v in new.items()))
+    if worse := [k for k in new if new[k] < released.get(k, 0.0)]:
+        k = worse[0]
+        return decision(
+            False,
+            f"the new export serves at mean acceptance length {new[k]:.3f} at k={k[1:]}, the released drafter at "
+            f"{released[k]:.3f} (same prompts, k and engine): not promoted, the released drafter stays",
+        )
+    return decision(
+        True,
+        "at least as good as the released drafter: "
+        + ", ".join(f"k={k[1:]} {new[k]:.3f} >= {released[k]:.3f}" for k in new if k in released),
+    )
+
+
+def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
+    """sha256 of the export's weights: which export a report is of."""
+    return hashlib.sha256(store.read_bytes(f"{rel}/model.safetensors")).hexdigest()
+
+
+def released_figures(store: ArtifactStore, report: dict[str, Any]) -> dict[str, float] | None:
+    """The released drafter's acceptance served beside the new export, None when nothing is released yet."""
+    if report.get("export_sha256") != export_digest(store):
+        raise NotComparable(
+            f"the drafter_eval report ({report.get('export_sha256', 'no digest')}) is not of the export now at "
+            f"{store.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
+        )
+    if not store.exists(RELEASE_RECORD):
+        return None
+    beside = report.get("beside", {}).get(RELEASED)
+    if beside is None:
+        raise NotComparable(
+            f"a drafter is released ({store.url_of(RELEASE_DIR)}) but the drafter_eval report has no figures of it "
+            "served beside the new export: rematerialize drafter_eval, which serves both"
+        )
+    if not beside.get("outputs_match_greedy", False):
+        # The released drafter no longer serves greedily (e.g. another engine): any working export beats it.
+        return {k: 1.0 for k in acceptance_of(beside)}
+    return acceptance_of(beside)
+
+
+def promote(store: ArtifactStore, decision: Decision, report: dict[str, Any]) -> str:
+    """Copy the export to `drafter/release/` with the figures it was released on; returns the release's URL."""
+    with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
+        for name in store.listdir(EXPORT_DIR):
+            (Path(tmp) / name).write_bytes(store.read_bytes(f"{EXPORT_DIR}/{name}"))
+        record = {
+            "acceptance": decision.candidate,
+            "replaced": decision.released,
+            "reason": decision.reason,
+            "export": store.url_of(EXPORT_DIR),
+            "export_sha256": report["export_sha256"],
+            "report": {k: report[k] for k in ("prompts", "max_tokens", "prompts_file", "engine") if k in report},
+        }
+        (Path(tmp) / "release.json").write_text(json.dumps(record, indent=2) + "\n")
+        store.put_dir(tmp, RELEASE_DIR)
+    return store.url_of(RELEASE_DIR)

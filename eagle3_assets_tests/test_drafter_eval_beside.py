@@ -1,0 +1,78 @@
+"""`drafter_eval` in vLLM (CPU build) with a reference drafter served beside ours, and the release gate on what it
+served: one evaluation, seven engine starts (plain; ours at k=3 and k=7, features kept and zeroed; the reference at
+k=3 and k=7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, REFERENCE, evaluate_drafter
+from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.release import export_digest, release_decision, released_figures
+from eagle3_assets.drafter.target_head import load_target_weights
+from eagle3_assets.drafter.train import build_drafter
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, dump_prompts
+from eagle3_assets.settings import EvaluationSettings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
+from eagle3_assets.vocab_map import VocabMap
+
+from .conftest import tiny_settings
+from .vllm_helpers import AUX, PROMPTS, confident_target
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+DRAFT_VOCAB = 64
+MAX_TOKENS = 12
+
+
+@pytest.mark.timeout(1200)
+def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_released(tiny_target_dir, tmp_path):
+    pytest.importorskip("vllm")
+    target_dir = confident_target(tiny_target_dir, tmp_path / "target")
+    target = TargetModel.read(target_dir, aux_layer_ids=AUX)
+    store = ArtifactStore(tmp_path / "store")
+    store.write_text(EVAL_PROMPTS_FILE, dump_prompts([
+        Prompt(f"eval-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS[:4])
+    ]))  # fmt: skip
+    t2d = np.zeros(target.vocab_size, dtype=bool)
+    t2d[:DRAFT_VOCAB] = True
+    vmap = VocabMap(np.zeros(DRAFT_VOCAB, dtype=np.int64), t2d)
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=DRAFT_VOCAB)
+    drafter = build_drafter(cfg, load_target_weights(target), vmap, seed=0)
+    # The reference: an untrained drafter with the target's head rows. Ours: the same with its head zeroed, an
+    # export that drafts one token for ever (serving at acceptance 1.0, as a head an engine ignored would).
+    export_drafter(store, drafter.trainable_state_dict(), cfg, aux_layer_ids=AUX, dtype="float32", rel="reference")
+    zeroed = drafter.trainable_state_dict() | {"lm_head.weight": torch.zeros_like(drafter.lm_head.weight)}
+    export_drafter(store, zeroed, cfg, aux_layer_ids=AUX, dtype="float32")
+    reference_dir = store.local_path("reference")
+    settings = tiny_settings(
+        target_model=str(target_dir),
+        evaluation=EvaluationSettings(max_new_tokens=MAX_TOKENS, reference_drafter=str(reference_dir)),
+    )
+    lines: list[str] = []
+    report = evaluate_drafter(store, target, settings, log=lines.append)
+
+    assert report.outputs_match, report.mismatches
+    written = store.read_json(EVAL_REPORT_FILE)
+    # vLLM's form: greedy, the chat template, k=3 and k=7, mean acceptance and the rate per draft position.
+    assert (written["greedy"], written["chat_template"], written["max_tokens"]) == (True, True, MAX_TOKENS)
+    assert written["prompts_file"] == "embedded demo eval prompts" and written["engine"].startswith("vllm 0.")
+    assert written["export_sha256"] == export_digest(store)
+    assert written["mean_acceptance_length_k3"] == written["mean_acceptance_length_k7"] == 1.0  # the zeroed head
+    assert [len(written[f"acceptance_per_position_k{k}"]) for k in (3, 7)] == [3, 7]
+    ref = written["beside"][REFERENCE]
+    assert ref["dir"] == str(reference_dir) and ref["outputs_match_greedy"] is True
+    assert [len(ref[f"acceptance_per_position_k{k}"]) for k in (3, 7)] == [3, 7]
+    for k in (3, 7):
+        assert written[f"reference_mean_acceptance_length_k{k}"] == ref[f"mean_acceptance_length_k{k}"] >= 1.0
+        assert ref[f"mean_acceptance_length_k{k}"] == pytest.approx(1 + sum(ref[f"acceptance_per_position_k{k}"]), abs=1e-3)
+    assert any(line.startswith("drafter_eval: pass 7/7 (reference k=7) done at") for line in lines), lines
+
+    # Nothing released yet, and still the zeroed head is not released: it serves at 1.0.
+    decision = release_decision(written, released_figures(store, written), settings.evaluation.release_min_acceptance)
+    assert not decision.promote and decision.released is None
+    assert decision.reason.startswith("the new export serves at mean acceptance length 1.000 at k=3, below")

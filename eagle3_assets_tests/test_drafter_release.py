@@ -1,0 +1,140 @@
+"""`drafter_release`: the released drafter is replaced only by an export that serves at least as well.
+
+The gate is a plain function of `drafter_eval`'s report; the asset is run in a real Dagster instance
+on reports as `drafter_eval` writes them (the vLLM test serves real drafters, `test_drafter_eval_beside.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dagster import AssetKey, DagsterInstance, materialize
+from safetensors.torch import save_file
+
+from eagle3_assets.defs.drafter.assets import RELEASE_CHECK, drafter_release
+from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, ReferenceDrafterMissing, beside_drafters
+from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.release import RELEASE_DIR, RELEASED, export_digest, release_decision
+from eagle3_assets.project import Project
+from eagle3_assets.settings import EvaluationSettings
+from eagle3_assets.storage import ArtifactStore
+
+from .conftest import tiny_settings
+
+
+def report(k3: float, k7: float, *, greedy: bool = True, **extra) -> dict:
+    return {"mean_acceptance_length_k3": k3, "mean_acceptance_length_k7": k7, "outputs_match_greedy": greedy, **extra}
+
+
+def test_the_gate_promotes_the_first_release_and_a_drafter_at_least_as_good():
+    first = release_decision(report(2.1, 2.6), None, 1.05)
+    assert (first.promote, first.reason) == (True, "first release: k=3 2.100, k=7 2.600")
+    better = release_decision(report(2.1, 2.7), {"k3": 2.1, "k7": 2.6}, 1.05)
+    assert better.promote
+    assert better.reason == "at least as good as the released drafter: k=3 2.100 >= 2.100, k=7 2.700 >= 2.600"
+
+
+def test_the_gate_keeps_the_release_against_a_worse_drafter_naming_both_figures():
+    worse = release_decision(report(2.3, 2.55), {"k3": 2.1, "k7": 2.6}, 1.05)
+    assert not worse.promote
+    assert worse.reason == (
+        "the new export serves at mean acceptance length 2.550 at k=7, the released drafter at 2.600 (same prompts, "
+        "k and engine): not promoted, the released drafter stays"
+    )
+
+
+def test_the_gate_never_releases_a_drafter_whose_drafts_are_not_accepted_or_that_changed_greedy_output():
+    zeroed = release_decision(report(1.0, 1.0), None, 1.05)  # nothing to beat: still never released
+    assert not zeroed.promote
+    assert zeroed.reason.startswith("the new export serves at mean acceptance length 1.000 at k=3, below "
+                                    "evaluation.release_min_acceptance 1.05")  # fmt: skip
+    changed = release_decision(report(2.5, 3.0, greedy=False), {"k3": 2.1, "k7": 2.6}, 1.05)
+    assert not changed.promote and "changed the greedy output" in changed.reason
+
+
+def write_export(store: ArtifactStore, scale: float) -> str:
+    """An export's files (the gate never loads them: their digest ties the report to them)."""
+    local = store.local_path(EXPORT_DIR)
+    local.mkdir(parents=True, exist_ok=True)
+    save_file({"fc.weight": torch.full((2, 2), scale)}, str(local / "model.safetensors"))
+    (local / "config.json").write_text('{"scale": %s}\n' % scale)
+    return export_digest(store)
+
+
+def release(project: Project, instance: DagsterInstance, eval_report: dict):
+    project.store.write_json(EVAL_REPORT_FILE, eval_report)
+    result = materialize([drafter_release], resources={"project": project}, instance=instance, raise_on_error=False)
+    event = instance.get_latest_materialization_event(AssetKey("drafter_release"))
+    evaluations = [
+        e.event_specific_data
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    ]
+    return result, event.asset_materialization.metadata, evaluations[0] if evaluations else None
+
+
+def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(), store)
+    with DagsterInstance.ephemeral() as instance:
+        first = write_export(store, 1.0)
+        result, meta, check = release(project, instance, report(2.1, 2.6, export_sha256=first))
+        assert result.success and check.passed and check.check_name == RELEASE_CHECK
+        assert meta["promoted"].value is True and meta["reason"].value == "first release: k=3 2.100, k=7 2.600"
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["acceptance"] == {"k3": 2.1, "k7": 2.6}
+
+        # A worse retrain, served beside the released drafter: the blocking check fails naming both figures.
+        worse = write_export(store, 2.0)
+        beside = {RELEASED: report(2.1, 2.6, dir="release")}
+        result, meta, check = release(project, instance, report(1.9, 2.6, export_sha256=worse, beside=beside))
+        assert not result.success and not check.passed
+        assert check.description == (
+            "the new export serves at mean acceptance length 1.900 at k=3, the released drafter at 2.100 (same "
+            "prompts, k and engine): not promoted, the released drafter stays"
+        )
+        assert (meta["new_k3"].value, meta["released_k3"].value) == (1.9, 2.1)
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'  # it stayed
+
+        # A report of another export than the one in the store decides nothing.
+        result, _, check = release(project, instance, report(3.0, 3.5, export_sha256=first, beside=beside))
+        assert not result.success and check is None
+        assert "is not of the export now at" in str(result.failure_data_for_node("drafter_release").error.message)
+
+        # A better one replaces it.
+        better = write_export(store, 3.0)
+        result, meta, check = release(project, instance, report(2.4, 2.9, export_sha256=better, beside=beside))
+        assert result.success and check.passed and meta["promoted"].value is True
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 3.0}\n'
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["replaced"] == {"k3": 2.1, "k7": 2.6}
+
+
+@pytest.mark.parametrize("k3", [1.0, 1.04])
+def test_an_export_serving_at_acceptance_one_is_never_released_even_first(tmp_path, k3):
+    store = ArtifactStore(tmp_path / "store")
+    with DagsterInstance.ephemeral() as instance:
+        digest = write_export(store, 0.0)
+        result, meta, check = release(Project(tiny_settings(), store), instance, report(k3, 1.0, export_sha256=digest))
+    assert not result.success and not check.passed and meta["promoted"].value is False
+    assert not store.exists(RELEASE_DIR)
+
+
+def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_and_refuses_a_missing_reference(
+    tmp_path,
+):
+    store = ArtifactStore(tmp_path / "store")
+    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {}
+    store.write_json(f"{RELEASE_DIR}/release.json", {"acceptance": {"k3": 2.0}})
+    reference = tmp_path / "published"
+    reference.mkdir()
+    (reference / "config.json").write_text("{}")
+    with pytest.raises(ReferenceDrafterMissing) as e:
+        beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path)
+    assert str(e.value) == (
+        f"evaluation.reference_drafter {reference}: no model.safetensors there; name a local EAGLE-3 export "
+        "directory (download a published drafter first) or remove the setting"
+    )
+    (reference / "model.safetensors").write_bytes(b"")
+    assert beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path) == {
+        RELEASED: tmp_path / "store" / RELEASE_DIR, "reference": reference
+    }
