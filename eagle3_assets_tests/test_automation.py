@@ -225,3 +225,116 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
             defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
         )
         assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+
+
+# --- the product's own definitions: each kind of change, under the daemon's conditions (issue 32) ---------------
+
+
+class Daemon:
+    """The `pipeline` and `shard_backfill` sensors' conditions ticking over the product's definitions (rebuilt when
+    the settings change, as a code location reloads), each tick's requests run in this process as the daemon would
+    launch them: what was requested, and in which order, is what the test reads."""
+
+    def __init__(self, instance, store):
+        self.instance, self.store = instance, store
+        self.clock = datetime.datetime(2026, 12, 1, 12, 1, tzinfo=datetime.UTC)
+        self.cursor = None
+        self.defs: Definitions | None = None
+
+    def settings(self, **settings) -> None:
+        from eagle3_assets.definitions import build_definitions
+
+        self.defs = build_definitions(Project(tiny_settings(**settings), self.store))
+
+    def tick(self) -> dict[str, list[str]]:
+        self.clock += datetime.timedelta(minutes=1)  # no cron tick passes: the backfill's schedule stays out
+        result = evaluate_automation_conditions(self.defs, self.instance, evaluation_time=self.clock, cursor=self.cursor)
+        self.cursor = result.cursor
+        requested = {}
+        for key in self.defs.resolve_all_asset_keys():
+            if result.get_num_requested(key):
+                partitions = sorted(result.get_requested_partitions(key) - {None})
+                requested[key.to_user_string()] = partitions
+        return requested
+
+    def settle(self) -> list[str]:
+        """Tick and run what is requested until nothing more is: every request, in order (`drafter_eval` and
+        `drafter_release`, which serve in vLLM, are noted, not run)."""
+        job = self.defs.resolve_implicit_global_asset_job_def()
+        seen: list[str] = []
+        for _ in range(12):
+            requested = self.tick()
+            runnable = {k: v for k, v in requested.items() if k not in ("drafter_eval", "drafter_release")}
+            seen += sorted([f"{k}[{p}]" for k, parts in requested.items() for p in parts] + [k for k, p in requested.items() if not p])
+            if not runnable:
+                return seen
+            unpartitioned = [AssetKey(k) for k, parts in runnable.items() if not parts]
+            if unpartitioned:
+                assert job.execute_in_process(instance=self.instance, asset_selection=unpartitioned).success
+            for key, parts in runnable.items():
+                for partition in parts:
+                    assert job.execute_in_process(
+                        instance=self.instance, asset_selection=[AssetKey(key)], partition_key=partition
+                    ).success
+        raise AssertionError(f"the sensors never settled: {seen}")
+
+
+@pytest.mark.slow
+def test_under_the_daemon_each_change_redoes_exactly_what_it_made_stale(tmp_path, tiny_target_dir):
+    import json
+
+    from eagle3_assets.demo.prompts import demo_prompt_sets
+    from eagle3_assets.settings import GenerationSettings
+
+    from .conftest import TINY_DEMO
+    from .helpers import Operator
+
+    prompts = tmp_path / "prompts.jsonl"
+    train, held = demo_prompt_sets(TINY_DEMO)
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in train[:40]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held[:4]))
+    base = dict(prompts=str(prompts), eval_prompts=str(tmp_path / "eval.jsonl"))
+    op = Operator(tmp_path, tiny_target_dir, **base)
+    made = op.start("--through", "drafter")  # the graph made once, as a person would start it
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+
+    def responses_made() -> tuple[int, int]:
+        meta = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization.metadata
+        return meta["rows_generated"].value, meta["rows_reused"].value
+
+    with op.instance() as instance:
+        daemon = Daemon(instance, op.project.store)
+        daemon.settings(**base)
+        assert daemon.settle() == []  # the first look, and nothing changed: nothing runs
+        assert daemon.settle() == []
+
+        daemon.settings(**base, draft_vocab_size=32)
+        assert daemon.settle() == ["vocab_map", "drafter", "drafter_eval"]
+
+        daemon.settings(**base, draft_vocab_size=32, training=tiny_settings().training.model_copy(update={"lr": 3e-4}))
+        assert daemon.settle() == ["drafter", "drafter_eval"]
+
+        tuned = dict(base, draft_vocab_size=32, training=tiny_settings().training.model_copy(update={"lr": 3e-4}))
+        daemon.settings(**tuned, generation=GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16))
+        assert daemon.settle() == [
+            "responses", "tokenized", "hidden_states[rows_0-20]", "hidden_states[rows_20-40]", "token_freq", "vocab_map",
+            "drafter", "drafter_eval",
+        ]  # fmt: skip
+        assert responses_made() == (40, 0)
+        tuned["generation"] = GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16)
+
+        with prompts.open("a") as f:  # five prompts appended: the same settings, another prompt file
+            f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
+        assert daemon.settle() == [
+            "prompts", "responses", "tokenized", "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter",
+            "drafter_eval",
+        ]  # fmt: skip
+        assert responses_made() == (5, 40)
+
+        daemon.settings(**tuned, demo=TINY_DEMO.model_copy(update={"seed": 1}))  # another target
+        assert daemon.settle() == [
+            "target_model", "responses", "tokenized", "hidden_states[rows_0-20]", "hidden_states[rows_20-40]",
+            "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter", "drafter_eval",
+        ]  # fmt: skip
+        assert responses_made() == (45, 0)
+        assert daemon.settle() == []
