@@ -242,6 +242,12 @@ class VllmSettings(_Section):
     cpu_kv_cache_gib: float | None = Field(
         None, gt=0, description="the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE); None = vLLM's default, most of the RAM"
     )
+    cpu_cores: int | None = Field(
+        None,
+        ge=1,
+        description="the CPU build: cores each engine started here runs on, its own where free (README, "
+        "'vLLM on a CPU host'); None = every free core but one, at least one",
+    )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as-is")
 
 
