@@ -22,7 +22,7 @@ from eagle3_assets.drafter.data import BatchLoader, index_samples
 from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.model import Eagle3Drafter
 from eagle3_assets.drafter.train import train_drafter
-from eagle3_assets.drafter.vllm_eval import generate_in_subprocess, generate_runs_in_subprocess
+from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
@@ -123,7 +123,13 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(served_t
     assert config["max_position_embeddings"] == target_config["max_position_embeddings"] == 512
     assert config["tie_word_embeddings"] is False
 
-    spec = generate_in_subprocess(target_dir, prompts, draft_dir=export_dir, num_speculative_tokens=K, max_tokens=SERVED)
+    groups = ["b" if i % 3 else "a" for i in range(len(prompts))]  # two "modes", as drafter_eval groups them
+    spec, zeroed, ngram = generate_runs_in_subprocess(  # one interpreter: vLLM imported once for the three engines
+        target_dir, prompts,
+        [{"draft_dir": export_dir}, {"draft_dir": export_dir, "zero_fc": True, "groups": groups},
+         {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}],
+        common={"num_speculative_tokens": K, "max_tokens": SERVED},
+    )  # fmt: skip
     # Speculative decoding never changes greedy output: equal to the target's own greedy tokens.
     assert spec.outputs == [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]
     assert spec.num_draft_tokens == K * spec.num_drafts
@@ -132,13 +138,6 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(served_t
     assert spec.mean_acceptance_length > 2.5, spec.to_json()
     assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)
 
-    groups = ["b" if i % 3 else "a" for i in range(len(prompts))]  # two "modes", as drafter_eval groups them
-    zeroed, ngram = generate_runs_in_subprocess(
-        target_dir, prompts,
-        [{"draft_dir": export_dir, "zero_fc": True, "groups": groups},
-         {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}],
-        common={"num_speculative_tokens": K, "max_tokens": SERVED},
-    )  # fmt: skip
     assert zeroed.outputs == spec.outputs == ngram.outputs
     # The same drafter without the target features is accepted far less: vLLM feeds the
     # features it was trained on.
