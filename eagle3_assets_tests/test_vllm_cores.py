@@ -73,14 +73,17 @@ def test_a_claim_lasts_as_long_as_the_process_holding_it(tmp_path: Path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(claim.fd,))
     try:
         os.close(claim.fd)  # the starter is gone; its server's supervisor still holds the claim
-        assert claim_cores(1, registry=tmp_path).cores == (ALLOWED[1],)
+        beside = claim_cores(1, registry=tmp_path)
+        assert beside.cores == (ALLOWED[1],)
     finally:
         holder.kill()
         holder.wait()
     # Killed outright: the kernel dropped the lock, and the next claimer removes the stale file.
-    again = claim_cores(len(ALLOWED) - 1, registry=tmp_path)
-    assert ALLOWED[0] in again.cores and not again.shared
+    again = claim_cores(1, registry=tmp_path)
+    assert again.cores == (ALLOWED[0],) and not again.shared
     assert not claim.path.exists()
+    beside.release()
+    again.release()
 
 
 @pytest.mark.skipif(ALLOWED != list(range(ALLOWED[0], ALLOWED[0] + len(ALLOWED))), reason="cores not contiguous")
