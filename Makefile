@@ -40,7 +40,7 @@ run: install
 test: install ui-deps
 	$(BIN)/python -m pytest -q --durations=15 eagle3_assets_tests
 
-# For iterating: no model training, no servers (under 5 minutes).
+# For iterating: no model training, no servers, no vLLM (the tests not marked slow): under 3 minutes.
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" eagle3_assets_tests
 

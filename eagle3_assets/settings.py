@@ -296,6 +296,12 @@ class VllmSettings(_Section):
         None, description="the CPU build's KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE); None = vLLM's default, most "
         "of the RAM",
     )
+    cpu_cores: int | None = Field(
+        None,
+        ge=1,
+        description="the CPU build: cores each engine started here runs on, its own where free (README, "
+        "'vLLM on a CPU host'); None = every free core but one, at least one",
+    )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as-is")
 
 

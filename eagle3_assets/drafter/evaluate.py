@@ -270,6 +270,7 @@ def evaluate_drafter(
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
             timeout_s=timeout_s,
             on_result=on_result,
+            cpu_cores=settings.vllm.cpu_cores,
         )
         for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
             report.add_run(k, zeroed, plain, spec, log)

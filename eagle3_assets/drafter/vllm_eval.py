@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.processes import signal_group
+from eagle3_assets.vllm_server.cores import engine_claim, pin_to_claim
 
 _SPEC_PREFIX = "vllm:spec_decode_"
 
@@ -236,10 +237,11 @@ def generate_in_subprocess(
     *,
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
+    cpu_cores: int | None = None,
     **kwargs,
 ) -> GenerationResult:
     """`generate(...)` in a fresh interpreter; raises RuntimeError with the tail of its output on failure."""
-    return generate_runs_in_subprocess(target_dir, prompts, [kwargs], timeout_s=timeout_s, env=env)[0]
+    return generate_runs_in_subprocess(target_dir, prompts, [kwargs], timeout_s=timeout_s, env=env, cpu_cores=cpu_cores)[0]
 
 
 def generate_runs_in_subprocess(
@@ -251,9 +253,11 @@ def generate_runs_in_subprocess(
     timeout_s: float = 1800,
     env: dict[str, str] | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
+    cpu_cores: int | None = None,
 ) -> list[GenerationResult]:
     """One `generate(target_dir, prompts, **common, **run)` per run, in order, all in one fresh interpreter;
-    `on_result(i, result)` as each run finishes. Past `timeout_s` the interpreter and its workers are killed."""
+    `on_result(i, result)` as each run finishes. Past `timeout_s` the interpreter and its workers are killed.
+    On the CPU build the engine runs on cores of its own (`cpu_cores` of them, as `vllm.cpu_cores`)."""
     with tempfile.TemporaryDirectory(prefix="drafter-vllm-") as tmp:
         request = Path(tmp) / "request.json"
         result = Path(tmp) / "result.jsonl"
@@ -273,11 +277,20 @@ def generate_runs_in_subprocess(
                 if on_result is not None:
                     on_result(len(results) - 1, results[-1])
 
+        cores = engine_claim(cpu_cores, environ=run_env)
         with output.open("w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
-                stdout=out, stderr=subprocess.STDOUT, env=run_env, start_new_session=True,
-            )  # fmt: skip
+            try:
+                # The interpreter pins itself (so the engine) to the claimed cores, and holds the claim too:
+                # it outlives a caller killed outright.
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
+                    stdout=out, stderr=subprocess.STDOUT, env=run_env | (cores.env() if cores else {}),
+                    start_new_session=True, pass_fds=(cores.fd,) if cores else (),
+                )  # fmt: skip
+            except BaseException:
+                if cores is not None:
+                    cores.release()
+                raise
             deadline = time.monotonic() + timeout_s
             try:
                 while proc.poll() is None:
@@ -292,6 +305,8 @@ def generate_runs_in_subprocess(
                 if proc.poll() is None:
                     signal_group(proc, signal.SIGKILL)
                     proc.wait()
+                if cores is not None:
+                    cores.release()
         collect()
         if proc.returncode != 0 or len(results) != len(runs):
             raise EvaluationError(
@@ -302,6 +317,7 @@ def generate_runs_in_subprocess(
 
 
 def main(argv: Sequence[str]) -> int:
+    pin_to_claim()  # before vLLM starts its engine's processes: they inherit the claimed cores
     request_path, result_path = argv
     req = json.loads(Path(request_path).read_text())
     with Path(result_path).open("a") as out:

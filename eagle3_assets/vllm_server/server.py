@@ -13,7 +13,8 @@ Two ways to get a server (docs/DESIGN.md §6):
 
 Every server this module starts runs under a small supervisor (`supervisor.py`) that
 stops the server when the process that started it dies without stopping it: a killed
-run must not leave a GPU server behind.
+run must not leave a GPU server behind. On the CPU build each server computes on cores of
+its own (`cores.py`), so servers started on one host do not starve each other.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from eagle3_assets.vllm_server.client import (
     served_model,
 )
 from eagle3_assets.vllm_server.command import serve_args
+from eagle3_assets.vllm_server.cores import CoreClaim, engine_claim
 from eagle3_assets.vllm_server.protocol import Role, ServerPlan
 
 SERVER_LOG_FILE = "server.log"
@@ -64,6 +66,7 @@ class VllmServer:
         workdir: Path | None = None,
         remove_workdir: bool = False,
         plan: ServerPlan | None = None,
+        cores: CoreClaim | None = None,
     ):
         self.url = url.rstrip("/")
         self.process = process
@@ -71,6 +74,7 @@ class VllmServer:
         self._remove_workdir = remove_workdir
         self._stopped = False
         self.plan = plan
+        self.cores = cores
 
     # ------------------------------------------------------------ getting one
 
@@ -114,15 +118,26 @@ class VllmServer:
             sys.executable, "-m", "eagle3_assets.vllm_server", "--supervise", str(os.getpid()), "--",
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
         ]  # fmt: skip
-        with open(wd / SERVER_LOG_FILE, "wb") as log:  # this server's log only: model_loads() counts in it
-            log.write(f"$ {' '.join(cmd)}\n".encode())
-            log.flush()
-            # Own session = own process group: stop() signals the server and all its workers at once.
-            process = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, **cpu_env(vllm), **(env or {})},
-            )  # fmt: skip
-        server = cls(url, process=process, workdir=wd, remove_workdir=remove, plan=plan)
+        run_env = {**os.environ, **cpu_env(vllm), **(env or {})}
+        cores = engine_claim(vllm.cpu_cores, environ=run_env)
+        try:
+            with open(wd / SERVER_LOG_FILE, "wb") as log:  # this server's log only: model_loads() counts in it
+                log.write(f"$ {' '.join(cmd)}\n".encode())
+                if cores is not None:
+                    log.write(f"{cores.describe()}\n".encode())
+                log.flush()
+                # Own session = own process group: stop() signals the server and all its workers at once.
+                # The supervisor pins itself (so the server) to the claimed cores, and holds the claim too:
+                # it outlives a starter killed outright.
+                process = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    env=run_env | (cores.env() if cores else {}), pass_fds=(cores.fd,) if cores else (),
+                )  # fmt: skip
+        except BaseException:
+            if cores is not None:
+                cores.release()
+            raise
+        server = cls(url, process=process, workdir=wd, remove_workdir=remove, plan=plan, cores=cores)
         try:
             server._wait_ready(vllm.startup_timeout_s)
         except BaseException:
@@ -228,6 +243,8 @@ class VllmServer:
         self._stopped = True
         crashed = self.process.poll() is not None and self.process.returncode != 0
         stop_groups([self.process], STOP_GRACE_S)
+        if self.cores is not None:
+            self.cores.release()
         if self.storage_dir is not None:
             _remove_request_files(self.storage_dir)
         if self._remove_workdir and self.workdir is not None and not crashed:

@@ -3,7 +3,8 @@
 `python -m eagle3_assets.vllm_server --supervise PARENT_PID -- vllm serve …` (see
 `server.py`): a run killed with SIGKILL cannot stop its server, so the supervisor
 notices that its parent is gone and stops it, then kills the whole group after a grace
-period. No torch or vLLM import here.
+period. On the CPU build it first pins itself, and so the server, to the cores claimed for
+it (`cores.py`). No torch or vLLM import here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import signal
 import subprocess
 import time
+
+from eagle3_assets.vllm_server.cores import pin_to_claim
 
 STOP_GRACE_S = 30.0
 
@@ -23,6 +26,7 @@ def supervise(parent_pid: int, cmd: list[str], poll_s: float = 1.0) -> int:
     the group reaches `cmd` directly; one sent to us alone is passed on. Either way we
     wait for `cmd` to finish.
     """
+    pin_to_claim()  # before the server starts: every process of it inherits the cores
     # An ignored signal stays ignored across exec: started by a process that ignores SIGTERM
     # (a test runner, a job launcher), the server would be deaf to every stop but SIGKILL.
     for sig in (signal.SIGTERM, signal.SIGINT):
