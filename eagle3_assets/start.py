@@ -50,6 +50,7 @@ from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.leases import Lease
 from eagle3_assets.processes import stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
@@ -68,6 +69,7 @@ AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval")]
 SHARD_ATTEMPTS = 2  # runs of one shard, each with the asset's own retries, before the command stops asking
 ROLLING_POLL_S = 2.0
 THROUGH = ("hidden_states", "drafter", "drafter_eval")
+START_LEASE_DIR = "start"
 TRAINER_STOP_GRACE_S = 60.0  # the trainer's own stop gives torchrun 30 s (defs/drafter/launch.py)
 
 Log = Callable[[str], None]
@@ -332,11 +334,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{key}\t{state}")
             return 0
         began = time.monotonic()
+        # One whole-graph command per store, whichever instance it records into; `--shard` repairs a
+        # shard beside it (the rolling loop asks for that) and takes no lease.
+        lease = None if args.shard else Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start")
         try:
-            ok = start.run_shards(args.shard) if args.shard else start.run(
-                through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
-            )  # fmt: skip
-        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start
+            with lease or nullcontext():
+                ok = start.run_shards(args.shard) if args.shard else start.run(
+                    through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
+                )  # fmt: skip
+        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command
             print(f"error: {e}", file=sys.stderr)
             return 2 if isinstance(e, UnknownShardKey) else 1
         except Stopped as e:

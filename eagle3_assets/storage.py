@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -55,6 +55,14 @@ class ArtifactStore:
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.root = self.root.rstrip("/") or "/"
         self._cache_dir = Path(cache_dir) if cache_dir else None
+        self._guard: Callable[[], None] = lambda: None
+
+    def guarded(self, guard: Callable[[], None]) -> ArtifactStore:
+        """This store, calling `guard` before it publishes a write or deletes anything: a lease holder's
+        check (`leases.Lease.check`) that it still owns what it writes."""
+        copy = ArtifactStore(self.url, cache_dir=self._cache_dir)
+        copy._guard = guard
+        return copy
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.url!r})"
@@ -133,6 +141,7 @@ class ArtifactStore:
         try:
             with f:
                 yield f
+            self._guard()
             self.fs.mv(tmp, self.path(rel))
         except BaseException as e:
             try:
@@ -166,6 +175,7 @@ class ArtifactStore:
 
     def remove(self, rel: str, *, recursive: bool = False) -> None:
         p = self.path(rel)
+        self._guard()
         if self.fs.exists(p):
             self.fs.rm(p, recursive=recursive)
 
@@ -186,6 +196,7 @@ class ArtifactStore:
         tmp = self._tmp_name(rel)
         try:
             self.fs.put(str(local_dir).rstrip("/") + "/", tmp, recursive=True)
+            self._guard()
             if self.fs.exists(self.path(rel)):
                 self.fs.rm(self.path(rel), recursive=True)
             self.fs.mv(tmp, self.path(rel), recursive=True)

@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.launch import EXIT_REFUSED
@@ -27,6 +28,7 @@ from eagle3_assets.drafter.report import Report, open_report
 from eagle3_assets.drafter.run import DrafterRun, run_figures, train_and_export
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states.integrity import manifest_problem
+from eagle3_assets.leases import RUN_ID_ENV, Lease
 from eagle3_assets.processes import die_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import SampleSpec
@@ -34,6 +36,7 @@ from eagle3_assets.shards import plan_shards
 from eagle3_assets.tokenized import TokenizedSet
 
 
+DRAFTER_DIR = "drafter"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torch's elastic launcher in every rank's environment
 TORCHRUN_NAMES = ("torch.distributed.run", "torchrun")
 
@@ -55,10 +58,15 @@ def train(report: Report, max_steps: int | None) -> DrafterRun:
             raise UnusableShards(
                 "drafter refuses to train: " + "; ".join(f"{k}: _SUCCESS.json {p}" for k, p in bad.items())
             )
-    run = train_and_export(
-        store, target, settings, [s.key for s in shards], on_metrics=report.metrics, log=report.log,
-        max_steps=max_steps,
-    )  # fmt: skip
+    # One trainer per drafter directory, whoever started it (another $DAGSTER_HOME, a second start command):
+    # rank 0 holds the lease and checks it before each checkpoint, record and delete; the others write nothing.
+    lease = Lease(store, DRAFTER_DIR, os.environ.get(RUN_ID_ENV, "")) if DistEnv.from_environ().is_main else None
+    with lease or nullcontext():
+        owned = store.guarded(lease.check) if lease else store
+        run = train_and_export(
+            owned, target, settings, [s.key for s in shards], on_metrics=report.metrics, log=report.log,
+            max_steps=max_steps,
+        )  # fmt: skip
     report.finished(run_figures(store, run))
     return run
 
