@@ -38,9 +38,10 @@ class StoreRefusal(Refusal, StoreError):
     """The store cannot take a write (full, read-only, not permitted); the message names the path."""
 
 
-def write_error(what: str, e: OSError) -> StoreError:
-    """`e` as the store's error: a refusal for the errnos no retry can fix."""
-    return (StoreRefusal if e.errno in REFUSED_ERRNOS else StoreError)(f"{what}: {e}")
+def write_error(what: str, e: OSError, free: int | None = None) -> StoreError:
+    """`e` as the store's error: a refusal for the errnos no retry can fix; a full disk says how full."""
+    room = f"; {free:,} bytes free there" if free is not None and e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return (StoreRefusal if e.errno in REFUSED_ERRNOS else StoreError)(f"{what}: {e}{room}")
 
 
 def _is_tmp(name: str) -> bool:
@@ -150,7 +151,7 @@ class ArtifactStore:
             except OSError:
                 pass
             if isinstance(e, OSError):  # the disk filled, or the store went read-only, while writing
-                raise write_error(f"cannot write {self.url_of(rel)}", e) from e
+                raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
 
     def check_writable(self, rel_dir: str) -> None:
@@ -200,9 +201,11 @@ class ArtifactStore:
             if self.fs.exists(self.path(rel)):
                 self.fs.rm(self.path(rel), recursive=True)
             self.fs.mv(tmp, self.path(rel), recursive=True)
-        except BaseException:
+        except BaseException as e:
             if self.fs.exists(tmp):
                 self.fs.rm(tmp, recursive=True)
+            if isinstance(e, OSError):  # a checkpoint or an export on a full disk: a refusal naming it
+                raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
 
     def ensure_local_dir(self, rel: str) -> Path:
