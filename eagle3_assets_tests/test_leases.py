@@ -37,6 +37,26 @@ HOLDER = textwrap.dedent(
 )
 
 
+def test_one_holder_at_a_time_and_a_dead_holder_is_taken_over_at_once(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    with Lease(store, "drafter", "run-a", **FAST) as first:
+        with pytest.raises(LeaseHeld, match=r"/store/drafter is held by another process \(host .*, pid "
+                           rf"{os.getpid()}, run run-a, since .* UTC; renewed 0s ago\): stop that one, or wait 2s"):
+            Lease(store, "drafter", "run-b", **FAST).acquire()
+        time.sleep(1.2)  # heartbeats keep it
+        first.check()
+        assert store.read_json("drafter/_LEASE.json")["renewed"] > first.me.since
+    assert not store.exists("drafter/_LEASE.json")
+    # A holder of this machine whose process is gone (a SIGKILL): no expiry to wait out.
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    gone = next(pid for pid in range(pid_max - 1, 1, -1) if not os.path.exists(f"/proc/{pid}"))
+    now = time.time()
+    left = Lease(store, "drafter", "run-dead", expiry_s=600, heartbeat_s=10)
+    store.write_json("drafter/_LEASE.json", {**left.me.__dict__, "pid": gone, "since": now, "renewed": now})
+    with Lease(store, "drafter", "run-c", **FAST):
+        assert store.read_json("drafter/_LEASE.json")["run_id"] == "run-c"
+
+
 @pytest.mark.slow  # starts a process
 def test_a_holder_frozen_past_the_expiry_is_taken_over_and_writes_nothing_after_waking(tmp_path):
     store = ArtifactStore(tmp_path / "store")

@@ -11,13 +11,39 @@ import pytest
 from dagster import AssetKey, AssetRecordsFilter, DagsterRunStatus
 
 from eagle3_assets.processes import group_members
+from eagle3_assets.stopping import Stopped, StopSignals
 
 from .helpers import Operator, kill_group, processes_with_env, wait_until_stalled
 from .test_start import started
 
-pytestmark = pytest.mark.slow  # the tiny data graph and three shards, in subprocesses
+def test_a_stop_signal_is_heard_under_any_handler_and_raises_once():
+    """Dagster swaps the handlers while a run executes (it only notes the signal): the wakeup fd still hears it.
+    Outside a run the first signal raises; a second, during the first one's cleanup, does not."""
+    stop = StopSignals()
+    before = signal.getsignal(signal.SIGTERM)
+    with stop.installed():
+        noted = []
+        previous = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))  # as Dagster's capture
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
+        assert noted == [signal.SIGINT] and stop.received() == signal.SIGINT
+        with pytest.raises(Stopped) as stopped:
+            stop.check()
+        assert (stopped.value.signal, stopped.value.exit_status) == (signal.SIGINT, 130)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal: remembered as the first, not raised again
+        time.sleep(0.1)
+        assert stop.received() == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_outside_a_run_the_first_signal_raises_where_the_command_waits():
+    with StopSignals().installed(), pytest.raises(Stopped) as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert stopped.value.exit_status == 143
+
+
+@pytest.mark.slow  # the tiny data graph and three shards, in subprocesses
 def test_the_first_sigint_or_sigterm_ends_the_run_in_flight_and_the_same_command_resumes(tmp_path, tiny_target_dir):
     op = Operator(tmp_path, tiny_target_dir)
     outputs = []
@@ -60,6 +86,7 @@ def test_the_first_sigint_or_sigterm_ends_the_run_in_flight_and_the_same_command
     assert computed == {"rows_0-20": 20, "rows_20-40": 17, "rows_40-45": 3}
 
 
+@pytest.mark.slow  # the tiny graph and a rolling trainer, in subprocesses
 def test_no_training_process_outlives_a_sigkill_of_everything_above_the_ranks(tmp_path, tiny_target_dir):
     """The start command's group and the trainer's (torchrun with it) SIGKILLed mid-training, as a lost pod
     or an OOM kill of the lot would: the rank, in a session of its own, dies too; the rerun trains every row
