@@ -18,6 +18,10 @@ assets, extraction for the shards): the model loads once per phase, not once per
 server named in `vllm.server_url(s)` is used and left alone. `drafter_eval` loads its own
 engines (each pass serves another drafter setting).
 
+The first Ctrl-C or SIGTERM ends the run in flight and everything this command started,
+launches nothing more, and exits 128 + the signal, naming the command that resumes
+(`stopping.py`). One such command runs per store at a time (`leases.py`).
+
     python -m eagle3_assets.start                    # start, or resume
     python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
     python -m eagle3_assets.start --shard rows_0-2000 [--shard …]   # (re)extract the named shards only
