@@ -31,6 +31,21 @@ def terminate_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def die_with_parent(parent_names: tuple[str, ...]) -> bool:
+    """SIGKILL this process when its parent dies (Linux): for a process its launcher put in a session of its
+    own (torchrun's ranks), which no signal to the launcher's group reaches. False when the parent died
+    before this call: then the parent is init or a subreaper, whose command line names none of
+    `parent_names`, and the caller must exit. Elsewhere True, unchecked."""
+    if _LIBC is None:
+        return True
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return any(name in arg for arg in argv for name in parent_names)
+
+
 def signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
     """Send `sig` to the group `process` leads (started with `start_new_session=True`)."""
     try:

@@ -19,6 +19,10 @@ assets, extraction for the shards): the model loads once per phase, not once per
 server named in `vllm.server_url(s)` is used and left alone. `drafter_eval` loads its own
 engines (each pass serves another drafter setting).
 
+The first Ctrl-C or SIGTERM ends the run in flight and everything this command started,
+launches nothing more, and exits 128 + the signal, naming the command that resumes
+(`stopping.py`). One such command runs per store at a time (`leases.py`).
+
     python -m eagle3_assets.start                    # start, or resume
     python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
     python -m eagle3_assets.start --shard rows_0-2000 [--shard …]   # (re)extract the named shards only
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -41,6 +46,7 @@ import yaml
 
 from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions
 from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
+from dagster._core.storage.tags import MAX_RETRIES_TAG
 from dagster._core.utils import make_new_run_id
 
 from eagle3_assets.defs.drafter.assets import unusable_shards
@@ -49,20 +55,25 @@ from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.errors import Eagle3Error
-from eagle3_assets.processes import terminate_with_parent
+from eagle3_assets.leases import Lease
+from eagle3_assets.processes import stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
 from eagle3_assets.shard_window import Window
+from eagle3_assets.stopping import Stopped, StopSignals
 
 if TYPE_CHECKING:
     from eagle3_assets.vllm_server.command import Role
 
 LAUNCHED_BY = "eagle3/launched_by"
+STOPPED_BY = "eagle3/stopped_by"  # the signal that stopped the run: a person or the cluster, not a fault
 RESPONSES = AssetKey("responses")
 DRAFTER = AssetKey("drafter")
 AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval"), AssetKey("drafter_release")]
 ROLLING_POLL_S = 2.0
 THROUGH = ("hidden_states", "drafter", "drafter_eval", "drafter_release")
+START_LEASE_DIR = "start"
+TRAINER_STOP_GRACE_S = 60.0  # the trainer's own stop gives torchrun 30 s (defs/drafter/launch.py)
 
 Log = Callable[[str], None]
 
@@ -82,9 +93,12 @@ class GraphStart:
         *,
         build: Callable[[Project], Definitions] | None = None,
         log: Log = _say,
+        stop: StopSignals | None = None,
     ):
-        """`build` makes the definitions for a project whose settings name a phase's shared server."""
+        """`build` makes the definitions for a project whose settings name a phase's shared server; `stop`
+        says when a stop signal came (none come to one that is not installed)."""
         self.defs, self.instance, self.project, self.build, self.log = defs, instance, project, build, log
+        self.stop = stop or StopSignals()
         self.graph: AssetGraph = defs.resolve_asset_graph()
         self.job = defs.resolve_implicit_global_asset_job_def()
 
@@ -122,15 +136,21 @@ class GraphStart:
         self.log(f"{label}: starting")
         # execute_in_process does not use the job's executor: the run names its process itself,
         # so a later sweep (this command again, the daemon) can fail it if this process is killed.
+        # This command retries its own runs (run it again): the instance's run_retries relaunching
+        # one from the daemon would put a second owner beside it.
         run_id = make_new_run_id()
         result = self.job.execute_in_process(
             instance=self.instance,
             asset_selection=keys,
             partition_key=partition,
             run_id=run_id,
-            tags={LAUNCHED_BY: "start", **process_tags(run_id)},
+            tags={LAUNCHED_BY: "start", MAX_RETRIES_TAG: "0", **process_tags(run_id)},
             raise_on_error=False,
         )
+        if (sig := self.stop.received()) is not None:
+            self.instance.add_run_tags(run_id, {STOPPED_BY: sig.name})
+            self.log(f"{label}: stopped by {sig.name} in {time.monotonic() - started:.1f}s (run {result.run_id})")
+            self.stop.check()
         status = "ok" if result.success else "FAILED"
         self.log(f"{label}: {status} in {time.monotonic() - started:.1f}s (run {result.run_id})")
         return result.success
@@ -210,9 +230,12 @@ class GraphStart:
             return not todo or self.launch(todo)
         training = self.project.settings.training
         tried: set[str] = set()
-        with self.engine("extract"), tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp:
+        with (
+            self.engine("extract"),
+            tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp,
+            self._process(DRAFTER, Path(tmp)) as trainer,
+        ):
             started = time.monotonic()
-            trainer = self._launch_process(DRAFTER, Path(tmp))
             while trainer.poll() is None:
                 window = Window.read(self.project.store, registered_shard_keys(self.instance), training.window_shards)
                 states = self.shard_states()
@@ -233,10 +256,13 @@ class GraphStart:
         self.log(f"drafter: {'ok' if ok else 'FAILED'} in {time.monotonic() - started:.1f}s")
         return ok and (len(after) == 1 or self.launch(after[1:]))
 
-    def _launch_process(self, key: AssetKey, tmp: Path) -> subprocess.Popen:
+    @contextmanager
+    def _process(self, key: AssetKey, tmp: Path) -> Iterator[subprocess.Popen]:
         """`key` materialized by `dagster asset materialize` in a process of its own, into this instance. Not a
         thread: two runs executing in one process at once can deadlock Dagster's compute-log capture. The
-        process gets SIGTERM if this one dies, so a killed command leaves no trainer beside the next one's."""
+        process gets SIGTERM if this one dies, so a killed command leaves no trainer beside the next one's;
+        in a session of its own, it is stopped here (SIGTERM, then SIGKILL to its group) when the block is
+        left before it ended: a stop signal, an error."""
         config = tmp / "settings.yaml"
         config.write_text(yaml.safe_dump(self.project.settings.model_dump(mode="json")))
         env = {
@@ -246,7 +272,15 @@ class GraphStart:
         cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
                "--select", key.to_user_string()]  # fmt: skip
         self.log(f"{key.to_user_string()}: starting, in its own process")
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent)
+        process = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent, start_new_session=True
+        )  # fmt: skip
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                self.log(f"{key.to_user_string()}: stopping its process")
+                stop_groups([process], TRAINER_STOP_GRACE_S)
 
     def run_shards(self, keys: Sequence[str]) -> bool:
         require_shard_keys(self.instance, list(keys))
@@ -268,6 +302,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if not os.environ.get("DAGSTER_HOME"):
         print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
@@ -282,20 +317,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.redo_from is not None and args.redo_from not in keys:
         print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
         return 2
-    with DagsterInstance.get() as instance:
-        start = GraphStart(defs, instance, project, build=build_definitions)
+    with DagsterInstance.get() as instance, StopSignals().installed() as stop:
+        start = GraphStart(defs, instance, project, build=build_definitions, stop=stop)
         if args.list_shards:
             for key, state in start.shard_states().items():
                 print(f"{key}\t{state}")
             return 0
         began = time.monotonic()
+        # One whole-graph command per store, whichever instance it records into; `--shard` repairs a
+        # shard beside it (the rolling loop asks for that) and takes no lease.
+        lease = None if args.shard else Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start")
         try:
-            ok = start.run_shards(args.shard) if args.shard else start.run(
-                through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
-            )  # fmt: skip
-        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start
+            with lease or nullcontext():
+                ok = start.run_shards(args.shard) if args.shard else start.run(
+                    through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
+                )  # fmt: skip
+        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command
             print(f"error: {e}", file=sys.stderr)
             return 2 if isinstance(e, UnknownShardKey) else 1
+        except Stopped as e:
+            again = shlex.join(["python", "-m", "eagle3_assets.start", *argv])
+            _say(f"stopped by {e.signal.name}: nothing more was launched. Run the same command to resume: {again}")
+            return e.exit_status
         if not ok:
             return 1
         _say(f"finished in {time.monotonic() - began:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")

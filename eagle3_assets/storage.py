@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -38,9 +38,10 @@ class StoreRefusal(Refusal, StoreError):
     """The store cannot take a write (full, read-only, not permitted); the message names the path."""
 
 
-def write_error(what: str, e: OSError) -> StoreError:
-    """`e` as the store's error: a refusal for the errnos no retry can fix."""
-    return (StoreRefusal if e.errno in REFUSED_ERRNOS else StoreError)(f"{what}: {e}")
+def write_error(what: str, e: OSError, free: int | None = None) -> StoreError:
+    """`e` as the store's error: a refusal for the errnos no retry can fix; a full disk says how full."""
+    room = f"; {free:,} bytes free there" if free is not None and e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return (StoreRefusal if e.errno in REFUSED_ERRNOS else StoreError)(f"{what}: {e}{room}")
 
 
 def _is_tmp(name: str) -> bool:
@@ -55,6 +56,14 @@ class ArtifactStore:
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.root = self.root.rstrip("/") or "/"
         self._cache_dir = Path(cache_dir) if cache_dir else None
+        self._guard: Callable[[], None] = lambda: None
+
+    def guarded(self, guard: Callable[[], None]) -> ArtifactStore:
+        """This store, calling `guard` before it publishes a write or deletes anything: a lease holder's
+        check (`leases.Lease.check`) that it still owns what it writes."""
+        copy = ArtifactStore(self.url, cache_dir=self._cache_dir)
+        copy._guard = guard
+        return copy
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.url!r})"
@@ -141,6 +150,7 @@ class ArtifactStore:
         try:
             with f:
                 yield f
+            self._guard()
             self.fs.mv(tmp, self.path(rel))
         except BaseException as e:
             try:
@@ -149,7 +159,7 @@ class ArtifactStore:
             except OSError:
                 pass
             if isinstance(e, OSError):  # the disk filled, or the store went read-only, while writing
-                raise write_error(f"cannot write {self.url_of(rel)}", e) from e
+                raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
 
     def check_writable(self, rel_dir: str) -> None:
@@ -174,6 +184,7 @@ class ArtifactStore:
 
     def remove(self, rel: str, *, recursive: bool = False) -> None:
         p = self.path(rel)
+        self._guard()
         if self.fs.exists(p):
             self.fs.rm(p, recursive=recursive)
 
@@ -194,12 +205,15 @@ class ArtifactStore:
         tmp = self._tmp_name(rel)
         try:
             self.fs.put(str(local_dir).rstrip("/") + "/", tmp, recursive=True)
+            self._guard()
             if self.fs.exists(self.path(rel)):
                 self.fs.rm(self.path(rel), recursive=True)
             self.fs.mv(tmp, self.path(rel), recursive=True)
-        except BaseException:
+        except BaseException as e:
             if self.fs.exists(tmp):
                 self.fs.rm(tmp, recursive=True)
+            if isinstance(e, OSError):  # a checkpoint or an export on a full disk: a refusal naming it
+                raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
 
     def ensure_local_dir(self, rel: str) -> Path:

@@ -18,7 +18,7 @@ from dagster import DagsterInstance
 from dagster._core.test_utils import instance_for_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_assets.crash_points import CRASH_ENV
+from eagle3_assets.crash_points import CRASH_ENV, STALL_ENV, STALLED
 from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.hidden_states.hf_extractor import final_norm
 from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
@@ -201,6 +201,35 @@ def small_kv_cache() -> Iterator[None]:
         yield
 
 
+def wait_for_line(proc: subprocess.Popen, wanted: str) -> str:
+    """`proc`'s output up to and including the first line that contains `wanted`."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if wanted in line:
+            return "".join(seen)
+    proc.wait()
+    raise AssertionError(f"exited {proc.returncode} before {wanted!r}:\n" + "".join(seen)[-4000:])
+
+
+def wait_until_stalled(proc: subprocess.Popen, at: str) -> str:
+    return wait_for_line(proc, STALLED + at)
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live processes whose environment sets `name=value` (a test's unique store path: all it started)."""
+    from eagle3_assets.processes import process_alive
+
+    wanted, found = f"{name}={value}".encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if process_alive(pid)]
+
+
 def kill_group(pid: int) -> None:
     try:
         os.killpg(pid, 9)
@@ -245,6 +274,15 @@ class Operator:
         env = {**self.env, CRASH_ENV: crash_at} if crash_at else self.env
         cmd = [sys.executable, "-m", "eagle3_assets.start", *args]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+
+    def spawn(self, *args: str, stall_at: str | None = None, crash_at: str | None = None) -> subprocess.Popen:
+        """`python -m eagle3_assets.start ARGS` in a session of its own, output merged on a pipe; it holds at the
+        crash point `stall_at` (`wait_until_stalled`), or dies at `crash_at`."""
+        env = {**self.env, **({STALL_ENV: stall_at} if stall_at else {}), **({CRASH_ENV: crash_at} if crash_at else {})}
+        cmd = [sys.executable, "-m", "eagle3_assets.start", *args]
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )  # fmt: skip
 
     def instance(self) -> DagsterInstance:
         return DagsterInstance.from_config(str(self.home))

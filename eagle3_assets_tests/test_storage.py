@@ -1,4 +1,5 @@
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import ArtifactStore, StoreError
+from eagle3_assets.storage import ArtifactStore, StoreError, StoreRefusal
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -113,12 +114,23 @@ def test_a_full_disk_and_a_read_only_store_are_refusals_naming_the_file(small_tm
     store.write_text("responses/parts/part-00000.jsonl", "kept\n")
     with pytest.raises(StoreError) as full:
         store.write_bytes("responses/parts/part-00001.jsonl", b"x" * 200_000)
-    assert str(full.value) == (
-        f"cannot write file://{small_tmpfs}/store/responses/parts/part-00001.jsonl: [Errno 28] No space left on device"
+    said = re.fullmatch(
+        f"cannot write file://{small_tmpfs}/store/responses/parts/part-00001.jsonl: "
+        r"\[Errno 28\] No space left on device; ([\d,]+) bytes free there",
+        str(full.value),
     )
+    assert said is not None and int(said[1].replace(",", "")) < 200_000, str(full.value)
     assert isinstance(full.value, Refusal)
     assert store.listdir("responses/parts") == ["part-00000.jsonl"]  # no temporary left, the finished part kept
     assert os.listdir(small_tmpfs / "store/responses/parts") == ["part-00000.jsonl"]
+    # A checkpoint (a directory published by one rename) on the full disk: the same refusal, nothing left behind.
+    local = small_tmpfs.parent / "checkpoint"
+    local.mkdir()
+    (local / "model.safetensors").write_bytes(b"x" * 200_000)
+    with pytest.raises(StoreRefusal, match=r"^cannot write file://.*/store/drafter/checkpoints/step_5: \[Errno 28\] "
+                       r"No space left on device: .*; [\d,]+ bytes free there$"):
+        store.put_dir(local, "drafter/checkpoints/step_5")
+    assert store.listdir("drafter/checkpoints") == []
 
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
     with pytest.raises(StoreError, match=r"^cannot write .*/store/responses/parts/\.write-probe.*Read-only file system") as ro:

@@ -3,7 +3,9 @@
 Every error the plain modules raise on purpose is an `Eagle3Error`; its message names
 the row, file or setting. A `Refusal` (settings that cannot work, a full disk, a row
 longer than the context) becomes a failure Dagster does not retry: a retry cannot help,
-and on a GPU node each attempt would load the model again first.
+and on a GPU node each attempt would load the model again first. So is a stop signal: Dagster
+retries an interrupted step under its `RetryPolicy`, which would start again the work a person (or
+the cluster) just stopped.
 """
 
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dagster import Failure
+from dagster._core.errors import DagsterExecutionInterruptedError
 
 from eagle3_assets.errors import Eagle3Error
 
@@ -32,3 +35,6 @@ def failures(prefix: str = "") -> Iterator[None]:
     except Eagle3Error as e:
         message = str(e) if not prefix or str(e).startswith(prefix) else f"{prefix}: {e}"
         raise (Failure(message) if e.retryable else refusal(message)) from None
+    except (KeyboardInterrupt, DagsterExecutionInterruptedError):
+        stopped = "stopped by a signal (SIGINT or SIGTERM); not retried: materialize it again to resume"
+        raise refusal(f"{prefix}: {stopped}" if prefix else stopped) from None

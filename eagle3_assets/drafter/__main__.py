@@ -17,8 +17,10 @@ Exit status: 0 done, 1 failed (a retry may help), 3 refused (`launch.EXIT_REFUSE
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.launch import EXIT_REFUSED
@@ -26,10 +28,17 @@ from eagle3_assets.drafter.report import Report, open_report
 from eagle3_assets.drafter.run import DrafterRun, run_figures, train_and_export
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.hidden_states.integrity import manifest_problem
+from eagle3_assets.leases import RUN_ID_ENV, Lease
+from eagle3_assets.processes import die_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.tokenized import TokenizedSet
+
+
+DRAFTER_DIR = "drafter"
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torch's elastic launcher in every rank's environment
+TORCHRUN_NAMES = ("torch.distributed.run", "torchrun")
 
 
 class UnusableShards(Refusal):
@@ -49,15 +58,26 @@ def train(report: Report, max_steps: int | None) -> DrafterRun:
             raise UnusableShards(
                 "drafter refuses to train: " + "; ".join(f"{k}: _SUCCESS.json {p}" for k, p in bad.items())
             )
-    run = train_and_export(
-        store, target, settings, [s.key for s in shards], on_metrics=report.metrics, on_eval=report.evaluation, log=report.log,
-        max_steps=max_steps,
-    )  # fmt: skip
+    # One trainer per drafter directory, whoever started it (another $DAGSTER_HOME, a second start command):
+    # rank 0 holds the lease and checks it before each checkpoint, record and delete; the others write nothing.
+    lease = Lease(store, DRAFTER_DIR, os.environ.get(RUN_ID_ENV, "")) if DistEnv.from_environ().is_main else None
+    with lease or nullcontext():
+        owned = store.guarded(lease.check) if lease else store
+        run = train_and_export(
+            owned, target, settings, [s.key for s in shards], on_metrics=report.metrics, on_eval=report.evaluation,
+            log=report.log,
+            max_steps=max_steps,
+        )  # fmt: skip
     report.finished(run_figures(store, run))
     return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # torchrun starts each rank in a session of its own: a SIGKILL of torchrun (or of everything above it)
+    # would leave the rank training beside the rerun's, writing the same checkpoints and releasing shards.
+    if TORCHRUN_ENV in os.environ and not die_with_parent(TORCHRUN_NAMES):
+        print("error: its launcher (torchrun) died before this rank started; not training", file=sys.stderr)
+        return 1
     ap = argparse.ArgumentParser(prog="python -m eagle3_assets.drafter", description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) at this global step")
     args = ap.parse_args(argv)

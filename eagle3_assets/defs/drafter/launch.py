@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from eagle3_assets.drafter.launch import (
     torchrun_command,
 )
 from eagle3_assets.drafter.report import METRICS_MESSAGE
+from eagle3_assets.leases import RUN_ID_ENV
 from eagle3_assets.processes import terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
@@ -82,7 +82,9 @@ def train_with_torchrun(
     launch = settings.training.launch
     nproc = ranks_per_node(launch, settings.training.device)  # refusals, before any rank starts
     refuse_another_world_size(store, launch.nnodes * nproc)
-    log_dir = Path(tempfile.mkdtemp(prefix="eagle3-drafter-"))
+    # Beside the run's compute logs in $DAGSTER_HOME, not in /tmp: a failed job's rank logs stay with its run.
+    log_dir = Path(context.instance.storage_directory()) / context.run_id / "torchrun"
+    log_dir.mkdir(parents=True, exist_ok=True)
     config = log_dir / "settings.yaml"
     config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
     console = log_dir / "torchrun.log"
@@ -94,7 +96,10 @@ def train_with_torchrun(
         context_injector=PipesTempFileContextInjector(),
         message_reader=PipesTempFileMessageReader(),
     ) as session:
-        env = {**os.environ, CONFIG_ENV: str(config), ROOT_ENV: store.url, **session.get_bootstrap_env_vars()}
+        env = {
+            **os.environ, CONFIG_ENV: str(config), ROOT_ENV: store.url, RUN_ID_ENV: context.run_id,
+            **session.get_bootstrap_env_vars(),
+        }  # fmt: skip
         with console.open("wb") as out:
             proc = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -1,0 +1,176 @@
+"""One owner per artifact, recorded in the store itself: a lease file beside what it guards.
+
+Works on any fsspec store (local disk, a shared volume, object storage), so it also holds between
+two `$DAGSTER_HOME`s, two nodes or two start commands that share only the store. The lease file
+(`<dir>/_LEASE.json`) names its holder: host, pid, run id, since when, when last renewed, and a
+token. A heartbeat thread renews it every `heartbeat_s`; another process takes it over only once
+it is `expiry_s` old, or at once when the holder is a process of the same machine that is gone
+(a rerun right after a SIGKILL need not wait out the expiry).
+
+fsspec stores have no compare-and-swap, so taking a lease is: write it (atomically, by rename),
+wait `settle_s`, read it back; the taker whose token is read back holds it, the other refuses.
+Two takers within one settle window both see the later writer's token, so one of them wins. The
+holder checks before every write it publishes (`Lease.check`, the store's write guard): the file
+must still carry its token, and its own last renewal must be younger than `expiry_s`, so a holder
+that was frozen (SIGSTOP, a swapped-out VM) past the expiry writes nothing more on waking, even
+before it has read who took over. docs/OPERATING.md, "Leases", sets the values against the
+store's latency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+from eagle3_assets.errors import Eagle3Error, Refusal
+from eagle3_assets.processes import machine_id, process_alive
+from eagle3_assets.storage import ArtifactStore, StoreError
+
+LEASE_FILE = "_LEASE.json"
+RUN_ID_ENV = "EAGLE3_RUN_ID"  # the Dagster run a process works for, named in the leases it takes
+EXPIRY_S = 60.0
+HEARTBEAT_S = 10.0
+SETTLE_S = 2.0
+READ_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    host: str
+    pid: int
+    run_id: str
+    since: float  # epoch seconds
+    renewed: float
+    token: str
+    machine: str  # host and boot (`processes.machine_id`): where `pid` means something
+
+    def gone(self) -> bool:
+        """Known dead: a process of this machine and boot that no longer runs (a SIGKILL, an OOM kill)."""
+        return self.machine == machine_id() and not process_alive(self.pid, started_by=self.since)
+
+    def describe(self) -> str:
+        since = datetime.fromtimestamp(self.since, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return f"host {self.host}, pid {self.pid}, run {self.run_id or '(none)'}, since {since}"
+
+
+class LeaseHeld(Refusal):
+    """Another live process holds the lease: a retry would meet it again."""
+
+
+class LeaseLost(Eagle3Error):
+    """This process held the lease and lost it (it expired, another took it over): it writes nothing more."""
+
+    retryable = False
+
+
+class Lease:
+    """The lease on `rel_dir` for `run_id`; `acquire()` takes it or refuses, `release()` gives it back."""
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        rel_dir: str,
+        run_id: str = "",
+        *,
+        expiry_s: float = EXPIRY_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        settle_s: float = SETTLE_S,
+    ):
+        if heartbeat_s * 2 > expiry_s:
+            raise ValueError(f"a heartbeat every {heartbeat_s:g}s must fit twice in the {expiry_s:g}s expiry")
+        self.store, self.rel = store, f"{rel_dir.rstrip('/')}/{LEASE_FILE}"
+        self.expiry_s, self.heartbeat_s, self.settle_s = expiry_s, heartbeat_s, settle_s
+        now = time.time()
+        self.me = Holder(socket.gethostname(), os.getpid(), run_id, now, now, uuid.uuid4().hex, machine_id())
+        self._renewed_at = 0.0  # time.monotonic() of this holder's last renewal
+        self._read_at = 0.0  # time.monotonic() of check()'s last read of the file
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    @property
+    def what(self) -> str:
+        return self.store.url_of(self.rel.rsplit("/", 1)[0])
+
+    def read(self) -> Holder | None:
+        try:
+            return Holder(**json.loads(self.store.read_text(self.rel)))
+        except (StoreError, FileNotFoundError, ValueError, TypeError):
+            return None  # absent, or torn by a writer on a store without atomic rename: nobody's
+
+    def _expired(self, holder: Holder) -> bool:
+        return time.time() - holder.renewed >= self.expiry_s or holder.gone()
+
+    def _refuse(self, holder: Holder) -> LeaseHeld:
+        return LeaseHeld(
+            f"{self.what} is held by another process ({holder.describe()}; renewed "
+            f"{time.time() - holder.renewed:.0f}s ago): stop that one, or wait {self.expiry_s:g}s after it died"
+        )
+
+    def acquire(self) -> Lease:
+        current = self.read()
+        if current is not None and current.token != self.me.token and not self._expired(current):
+            raise self._refuse(current)
+        wrote_at = time.monotonic()
+        self._write()
+        time.sleep(self.settle_s)
+        back = self.read()
+        if back is None or back.token != self.me.token:
+            raise self._refuse(back or current or self.me)
+        self._renewed_at = wrote_at
+        self._beat = threading.Thread(target=self._heartbeat, name=f"lease {self.rel}", daemon=True)
+        self._beat.start()
+        return self
+
+    def _write(self) -> None:
+        self.me = Holder(**{**asdict(self.me), "renewed": time.time()})
+        self.store.write_json(self.rel, asdict(self.me))
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.check(read=True)  # never renew over a taker's lease
+                wrote_at = time.monotonic()
+                self._write()
+                self._renewed_at = wrote_at  # counted from before the write: the expiry errs early
+            except LeaseLost:
+                return
+            except (Eagle3Error, OSError):
+                continue  # the store did not answer this time; check() decides when that is too long
+
+    def check(self, *, read: bool = False) -> None:
+        """Raise `LeaseLost` unless this process still holds the lease: call it before every write. The file is
+        read at most every READ_EVERY_S (a shard's release deletes thousands of files); the age of this holder's
+        own last renewal is checked every time, so no write goes out after an expiry it slept through."""
+        if self._lost is None:
+            now = time.monotonic()
+            age = now - self._renewed_at
+            if age >= self.expiry_s:
+                self._lost = f"its last renewal was {age:.0f}s ago, past the {self.expiry_s:g}s expiry"
+            elif read or now - self._read_at >= READ_EVERY_S:
+                holder = self.read()
+                self._read_at = now
+                if holder is None or holder.token != self.me.token:
+                    self._lost = "taken over by " + (holder.describe() if holder else "nobody (its lease file is gone)")
+        if self._lost is not None:
+            raise LeaseLost(f"{self.what}: this process ({self.me.describe()}) lost its lease: {self._lost}; it writes nothing more")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        holder = self.read()
+        if self._lost is None and holder is not None and holder.token == self.me.token:
+            self.store.remove(self.rel)
+
+    def __enter__(self) -> Lease:
+        return self.acquire()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()

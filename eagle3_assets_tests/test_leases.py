@@ -1,0 +1,141 @@
+"""One owner per artifact: the lease in the store, taken by one process at a time, and a holder that
+lost it writing nothing more."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from eagle3_assets.leases import Lease, LeaseHeld
+from eagle3_assets.storage import ArtifactStore
+
+from .helpers import REPO, Operator
+
+FAST = dict(expiry_s=2.0, heartbeat_s=0.5, settle_s=0.2)
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from eagle3_assets.leases import Lease
+    from eagle3_assets.storage import ArtifactStore
+    store = ArtifactStore(sys.argv[1])
+    lease = Lease(store, "drafter", "run-a", expiry_s=2.0, heartbeat_s=0.5, settle_s=0.2).acquire()
+    owned = store.guarded(lease.check)
+    print("held", flush=True)
+    i = 0
+    while True:
+        owned.write_text(f"drafter/ticks/{i:06d}", "a")
+        i += 1
+        time.sleep(0.05)
+    """
+)
+
+
+def test_one_holder_at_a_time_and_a_dead_holder_is_taken_over_at_once(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    with Lease(store, "drafter", "run-a", **FAST) as first:
+        with pytest.raises(LeaseHeld, match=r"/store/drafter is held by another process \(host .*, pid "
+                           rf"{os.getpid()}, run run-a, since .* UTC; renewed 0s ago\): stop that one, or wait 2s"):
+            Lease(store, "drafter", "run-b", **FAST).acquire()
+        time.sleep(1.2)  # heartbeats keep it
+        first.check()
+        assert store.read_json("drafter/_LEASE.json")["renewed"] > first.me.since
+    assert not store.exists("drafter/_LEASE.json")
+    # A holder of this machine whose process is gone (a SIGKILL): no expiry to wait out.
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    gone = next(pid for pid in range(pid_max - 1, 1, -1) if not os.path.exists(f"/proc/{pid}"))
+    now = time.time()
+    left = Lease(store, "drafter", "run-dead", expiry_s=600, heartbeat_s=10)
+    store.write_json("drafter/_LEASE.json", {**left.me.__dict__, "pid": gone, "since": now, "renewed": now})
+    with Lease(store, "drafter", "run-c", **FAST):
+        assert store.read_json("drafter/_LEASE.json")["run_id"] == "run-c"
+
+
+@pytest.mark.slow  # starts a process
+def test_a_holder_frozen_past_the_expiry_is_taken_over_and_writes_nothing_after_waking(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "store")], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        time.sleep(0.5)
+        with pytest.raises(LeaseHeld) as held:  # while it lives, nobody else
+            Lease(store, "drafter", "run-b", **FAST).acquire()
+        assert f"is held by another process (host {os.uname().nodename}, pid {holder.pid}, run run-a, since " in str(held.value)
+        os.kill(holder.pid, signal.SIGSTOP)
+        before = set(store.listdir("drafter/ticks"))
+        time.sleep(2.5)  # past the expiry
+        taker = Lease(store, "drafter", "run-b", **FAST).acquire()
+        os.kill(holder.pid, signal.SIGCONT)
+        out = holder.communicate(timeout=30)[0]
+    finally:
+        holder.kill()
+    assert holder.returncode == 1
+    assert "lost its lease: its last renewal was " in out and "it writes nothing more" in out
+    # At most the one write that was past its check when the holder froze; nothing it began after waking.
+    assert len(set(store.listdir("drafter/ticks")) - before) <= 1
+    assert store.read_json("drafter/_LEASE.json")["run_id"] == "run-b"
+    taker.check()
+    taker.release()
+    assert not store.exists("drafter/_LEASE.json")
+
+
+@pytest.mark.slow  # the tiny graph, then two trainers at once
+def test_two_trainers_on_one_drafter_directory_one_trains_the_other_refuses_naming_it(tmp_path, tiny_target_dir):
+    op = Operator(tmp_path, tiny_target_dir)
+    assert op.start("--through", "hidden_states").returncode == 0
+    # Two launchers that share only the store: plain `python -m eagle3_assets.drafter`, two run ids.
+    trainers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eagle3_assets.drafter"], cwd=REPO, env={**op.env, "EAGLE3_RUN_ID": run},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for run in ("run-one", "run-two")
+    ]
+    outs = [t.communicate(timeout=600)[0] for t in trainers]
+    codes = sorted(t.returncode for t in trainers)
+    assert codes == [0, 3], outs  # 3: refused, never retried
+    winner, loser = (0, 1) if trainers[0].returncode == 0 else (1, 0)
+    assert (
+        f"is held by another process (host {os.uname().nodename}, pid {trainers[winner].pid}, "
+        f"run run-{('one', 'two')[winner]}, since "
+    ) in outs[loser]
+    assert "drafter: exported to " in outs[winner]
+    assert not op.project.store.exists("drafter/_LEASE.json")  # released at the end
+
+
+@pytest.mark.slow  # two start commands
+def test_two_start_commands_on_one_store_the_second_refuses_naming_the_first(tmp_path, tiny_target_dir):
+    from .helpers import kill_group, wait_until_stalled
+
+    op = Operator(tmp_path, tiny_target_dir)
+    both = [op.spawn("--through", "hidden_states", stall_at="extracted:rows_0-20:1") for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while all(p.poll() is None for p in both) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (refused,) = [p for p in both if p.poll() is not None]
+        assert refused.returncode == 1
+        first = both[1 - both.index(refused)]
+        out = refused.communicate()[0]
+        assert (
+            f"error: file://{op.root}/start is held by another process (host {os.uname().nodename}, pid {first.pid}, "
+            "run python -m eagle3_assets.start, since "
+        ) in out
+        assert "[start] prompts" not in out  # it did nothing
+        wait_until_stalled(first, "extracted:rows_0-20:1")
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)
+        assert first.returncode == 128 + signal.SIGTERM
+    finally:
+        for p in both:
+            kill_group(p.pid)
+    assert not op.project.store.exists("start/_LEASE.json")  # released on the way out
