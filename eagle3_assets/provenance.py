@@ -79,12 +79,12 @@ PARENTS: dict[str, tuple[str, ...]] = {
     "drafter_release": ("drafter_eval",),
 }
 
-# Training settings that change how a run is carried out, not what it learns (also left out of a
-# checkpoint's run fingerprint, `drafter/train.py`).
-TRAINING_VOLATILE = (
-    "checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch",
-    "eval_every", "export_checkpoint", "early_stop_evals",
-)  # fmt: skip
+# Training settings that change how a run is carried out, not what it learns or exports.
+TRAINING_HOW = ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch")
+# And those a checkpoint may still be resumed under, though the export may differ (which checkpoint is
+# exported, when evaluation and early stop look): left out of a run's fingerprint (`drafter/train.py`), not
+# out of the drafter's provenance.
+TRAINING_VOLATILE = (*TRAINING_HOW, "eval_every", "export_checkpoint", "early_stop_evals")
 
 
 class ProvenanceError(Eagle3Error, RuntimeError):
@@ -138,7 +138,7 @@ def settings_read(asset: str, settings: Settings) -> dict[str, Any]:
     elif asset == "hidden_states":
         fields = ("aux_layer_ids", "extraction.storage_dtype")
     elif asset == "drafter":
-        learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_VOLATILE]
+        learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
         fields = ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
     elif asset == "drafter_eval":
         fields = (
@@ -257,8 +257,15 @@ def target_identity(url: str) -> str:
     fs, root = fsspec.core.url_to_fs(url)
     try:
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
-    except (OSError, FileNotFoundError) as e:
+        key = (url, json.dumps([_stat(fs, f"{root.rstrip('/')}/{n}") for n in names]))
+    except OSError as e:
         raise ProvenanceError(f"target model {url}: cannot be listed: {e}") from None
+    if key not in _DIGESTS:
+        _DIGESTS[key] = _target_digest(fs, root, names)
+    return _DIGESTS[key]
+
+
+def _target_digest(fs: fsspec.AbstractFileSystem, root: str, names: list[str]) -> str:
     parts: dict[str, str] = {}
     for name in names:
         path = f"{root.rstrip('/')}/{name}"
@@ -285,13 +292,26 @@ def _weights_digest(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return bytes_digest(str(size).encode(), header, *blocks)
 
 
+# Digests of outside files by what their store says of them (size, mtime or ETag): the daemon looks every tick,
+# and a prompt file of gigabytes is read again only when it changed.
+_DIGESTS: dict[tuple[str, str], str] = {}
+
+
+def _stat(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    info = fs.info(path)
+    return json.dumps([info.get(k) for k in ("size", "mtime", "ETag", "LastModified", "created")], default=str)
+
+
 def source_digest(url: str | None) -> str:
     """The digest of an outside file's bytes (a prompt file), or 'none' when none is configured."""
     if url is None:
         return "none"
     try:
-        with fsspec.open(url, "rb") as f:
-            return bytes_digest(f.read())
+        fs, path = fsspec.core.url_to_fs(url)
+        key = (url, _stat(fs, path))
+        if key not in _DIGESTS:
+            _DIGESTS[key] = bytes_digest(fs.cat_file(path))
+        return _DIGESTS[key]
     except OSError as e:
         raise ProvenanceError(f"{url}: cannot be read: {e}") from None
 
@@ -321,12 +341,20 @@ class Inputs:
                 raise KeyError(name)
         return self._outside[name]
 
+    _records: dict[str, Record | None] = field(default_factory=dict)
+
+    def _record(self, asset: str) -> Record | None:
+        # Parents' records are read once per look: the drafter's shards all read tokenized's.
+        if asset not in self._records:
+            self._records[asset] = read_record(self.store, asset)
+        return self._records[asset]
+
     def parent(self, asset: str) -> str:
-        record = read_record(self.store, asset)
+        record = self._record(asset)
         return record.version if record is not None else "none"
 
     def shard_rows(self, partition: str) -> str:
-        record = read_record(self.store, "tokenized")
+        record = self._record("tokenized")
         return str(record.extra.get("shard_rows", {}).get(partition, "none")) if record is not None else "none"
 
 

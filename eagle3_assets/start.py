@@ -72,6 +72,9 @@ DRAFTER = AssetKey("drafter")
 AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval"), AssetKey("drafter_release")]
 ROLLING_POLL_S = 2.0
 THROUGH = ("hidden_states", "drafter", "drafter_eval", "drafter_release")
+# Assets whose blocking check is a verdict, not a fault: `drafter_release` refusing a worse drafter is a finished
+# decision (the released drafter stays), made again only when what it was made from changes.
+VERDICTS = {AssetKey("drafter_release")}
 START_LEASE_DIR = "start"
 TRAINER_STOP_GRACE_S = 60.0  # the trainer's own stop gives torchrun 30 s (defs/drafter/launch.py)
 
@@ -113,6 +116,8 @@ class GraphStart:
         if why := why_due(self.instance, staleness or Staleness(self.project), key):
             return why
         latest = self._latest(key)
+        if key in VERDICTS:
+            return None
         checks = [c for c in self.graph.get(key).check_keys if self.graph.get(c).blocking]
         executions = self.instance.event_log_storage.get_latest_asset_check_execution_by_key(checks)
         for check in checks:

@@ -16,6 +16,7 @@ from dagster import (
     DagsterRunStatus,
     Definitions,
     DynamicPartitionsDefinition,
+    MaterializeResult,
     RunsFilter,
     asset,
     asset_check,
@@ -41,16 +42,18 @@ def project_at(tmp_path, **settings) -> Project:
     return Project(tiny_settings(**settings), ArtifactStore(tmp_path / "store"))
 
 
-def record(project: Project, context: AssetExecutionContext) -> None:
-    """What the product's asset writes beside its artifact: its provenance under the current settings."""
+def record(project: Project, context: AssetExecutionContext) -> MaterializeResult:
+    """What the product's asset writes beside its artifact, and on its materialization: its provenance under the
+    current settings."""
     partition = context.partition_key if context.has_partition_key else None
-    materialized(project, Staleness(project).expected(context.asset_key.to_user_string(), partition), partition=partition)
+    want = Staleness(project).expected(context.asset_key.to_user_string(), partition)
+    return MaterializeResult(**materialized(project, want, partition=partition))
 
 
 def stand_in(project: Project, name: str, **kwargs):
     @asset(name=name, **kwargs)
-    def body(context: AssetExecutionContext) -> None:
-        record(project, context)
+    def body(context: AssetExecutionContext) -> MaterializeResult:
+        return record(project, context)
 
     return body
 
@@ -59,13 +62,13 @@ def shard_defs(project: Project) -> Definitions:
     tokenized = stand_in(project, "tokenized")
 
     @asset(partitions_def=shards, deps=[tokenized], automation_condition=shard_backfill_condition("*/15 * * * *", project))
-    def hidden_states(context: AssetExecutionContext) -> None:
+    def hidden_states(context: AssetExecutionContext) -> MaterializeResult:
         # The same condition as the product's asset; the body only fails or waits where the test needs it.
         if context.partition_key in failing:
             raise RuntimeError("extraction failed")
         if context.partition_key == "rows_60-80":
             release.wait(timeout=120)
-        record(project, context)
+        return record(project, context)
 
     return Definitions(assets=[tokenized, hidden_states])
 

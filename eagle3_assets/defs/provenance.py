@@ -14,6 +14,7 @@ same function as an `AutomationCondition`, evaluated in the code location.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dagster import (
@@ -32,6 +33,7 @@ from eagle3_assets.project import Project
 from eagle3_assets.provenance import (
     CODE_REVISION,
     Inputs,
+    ProvenanceError,
     Provenance,
     Record,
     current_problem,
@@ -71,9 +73,23 @@ def materialized(
 class Staleness:
     """One look at what the store holds against what the current settings would make (outside files read once)."""
 
+    LOOK_S = 5.0  # how long the automation's conditions share one look: they are evaluated together each tick
+    _shared: dict[int, tuple[float, Staleness]] = {}
+
     def __init__(self, project: Project):
         self.project = project
         self.inputs = Inputs(project.settings, project.store)
+
+    @classmethod
+    def shared(cls, project: Project) -> Staleness:
+        """The look the conditions of one sensor tick share (a new one after `LOOK_S`); the start command takes a
+        new look before each decision instead."""
+        now = time.monotonic()
+        taken, look = cls._shared.get(id(project), (0.0, None))
+        if look is None or look.project is not project or now - taken > cls.LOOK_S:
+            look = cls(project)
+            cls._shared[id(project)] = (now, look)
+        return look
 
     def expected(self, asset: str, partition: str | None = None) -> Provenance:
         return expected(asset, self.inputs, partition)
@@ -91,7 +107,17 @@ def why_due(instance: DagsterInstance, staleness: Staleness, key: AssetKey, part
     ).records
     if not records:
         return "never materialized"
-    return staleness.problem(key.to_user_string(), partition)
+    try:
+        want = staleness.expected(key.to_user_string(), partition)
+    except ProvenanceError as e:  # an outside file gone: due, and the reason says which
+        return str(e)
+    made_from = records[0].asset_materialization.metadata.get(MADE_FROM)
+    if made_from is None or made_from.value != want.made_from:
+        # The store's record may be ahead of the last materialization: a shard run that failed after claiming
+        # its directory; a materialization made before provenance was recorded.
+        problem = current_problem(staleness.project.store, want, partition)
+        return problem or "its last materialization was made from other inputs (a later run failed or was stopped)"
+    return current_problem(staleness.project.store, want, partition)
 
 
 class ProvenanceChanged(AutomationCondition):
@@ -110,7 +136,7 @@ class ProvenanceChanged(AutomationCondition):
         return "provenance_changed"
 
     def evaluate(self, context: AutomationContext) -> AutomationResult:
-        staleness = Staleness(self.project)
+        staleness = Staleness.shared(self.project)
         instance = context.asset_graph_view.instance
         key = context.key
         due = set()
@@ -125,13 +151,13 @@ class AncestorDue(AutomationCondition):
     are about to change, so making it now would be made again. Upstream, not only its direct inputs: after a
     target change the shards must wait for `responses` and `tokenized`, not run at once on the old rows."""
 
-    def __init__(self, project: Project):
-        self.project = project
+    def __init__(self, project: Project, ignore: frozenset[AssetKey] = frozenset()):
+        self.project, self.ignore = project, ignore
         super().__init__()
 
     @property
     def description(self) -> str:
-        return "an upstream asset is due"
+        return "an upstream asset is due" + (f" ({', '.join(k.to_user_string() for k in self.ignore)} aside)" if self.ignore else "")
 
     @property
     def name(self) -> str:
@@ -139,11 +165,11 @@ class AncestorDue(AutomationCondition):
 
     def evaluate(self, context: AutomationContext) -> AutomationResult:
         graph, instance = context.asset_graph, context.asset_graph_view.instance
-        staleness = Staleness(self.project)
+        staleness = Staleness.shared(self.project)
         todo, seen = list(graph.get(context.key).parent_keys), set()
         while todo:
             key = todo.pop()
-            if key in seen:
+            if key in seen or key in self.ignore:
                 continue
             seen.add(key)
             node = graph.get(key)
@@ -156,9 +182,10 @@ class AncestorDue(AutomationCondition):
         return AutomationResult(context, context.get_empty_subset())
 
 
-def inputs_current(project: Project) -> AutomationCondition:
-    """Nothing upstream is due, and no input is running: what the asset would read is what the settings make now."""
-    return (~AncestorDue(project) & ~AutomationCondition.any_deps_in_progress()).with_label("every input current")
+def inputs_current(project: Project, ignore: frozenset[AssetKey] = frozenset()) -> AutomationCondition:
+    """Nothing upstream is due (but `ignore`), and no input is running: what the asset would read is what the
+    settings make now."""
+    return (~AncestorDue(project, ignore) & ~AutomationCondition.any_deps_in_progress()).with_label("every input current")
 
 
 def root_condition(project: Project) -> AutomationCondition:

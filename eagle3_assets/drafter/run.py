@@ -8,6 +8,7 @@ It writes `drafter/metrics.json`, the figures `drafter_eval` reports beside its 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,10 @@ def train_and_export(
     """Train on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each as it
     passes its check), then export once finished."""
     # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
-    inputs = expected("drafter", Inputs(settings, store)).inputs
+    want = expected("drafter", Inputs(settings, store))
+    # The data's versions and the extraction settings the shards were made with: none is in the run's settings.
+    extracted = {k: json.dumps(want.settings[k]) for k in ("aux_layer_ids", "extraction.storage_dtype", "shard_size")}
+    inputs = {**want.inputs, **extracted}
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
         on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",

@@ -566,6 +566,7 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     if diffs := _diff(with_settings_added_later(saved.state["run"]), run.fingerprint):
         where = run.store.url_of(CHECKPOINTS_DIR)
         if other_run == "fresh" and run.window is None:
+            barrier()  # every rank has read the checkpoint's state before rank 0 removes it
             if run.env.is_main:
                 log(f"drafter: not resuming {run.store.url_of(rel)}, made by another run ({'; '.join(diffs)}); "
                     f"removing {where} and starting fresh")  # fmt: skip
@@ -575,8 +576,8 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
         raise CheckpointError(
             f"{run.store.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
             f"remove {where} (or pass resume=False) to start over"
-            + ("; in rolling mode the shards it consumed are gone: extract them again (`--from hidden_states`)"
-               if run.window is not None else "")
+            + ("; in rolling mode the shards it consumed are gone: remove drafter/ and the released shards' "
+               "directories under hidden_states/, which are then extracted again" if run.window is not None else "")
         )  # fmt: skip
     ck = load_checkpoint(
         run.store, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler

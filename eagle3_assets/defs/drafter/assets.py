@@ -46,12 +46,15 @@ def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]
     """Shards the drafter must not train on, with the reason: incomplete, or their check did not pass."""
     infos = instance.event_log_storage.get_asset_check_partition_info([SHARD_CHECK], partition_keys=keys)
     status = {i.partition_key: i.latest_execution_status.value for i in infos}
+    staleness = Staleness(project)
     bad: dict[str, str] = {}
     for key in keys:
         if not project.store.exists(manifest_path(key)):
             bad[key] = "missing or incomplete (no _SUCCESS.json)"
         elif status.get(key) != "SUCCEEDED":
             bad[key] = f"integrity check {status.get(key, 'never run').lower().replace('_', ' ')}"
+        elif problem := staleness.problem("hidden_states", key):  # extracted from another target or other rows
+            bad[key] = problem
     return bad
 
 

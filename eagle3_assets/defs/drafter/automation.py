@@ -55,7 +55,8 @@ def _rolling_drafter_condition(project: Project) -> AutomationCondition:
             & ready
             & ~AutomationCondition.in_progress()
         )
-        | stale(project, ready)
+        # Shards aside (they land while it trains), only once what it reads upstream is current.
+        | stale(project, ready & inputs_current(project, frozenset({HIDDEN_STATES})))
     ).with_label("rolling: the first checked shard starts training")
 
 
