@@ -100,8 +100,8 @@ def test_one_shard_materializes_and_passes_its_check(pipeline):
     assert result.success
     assert project.store.listdir("hidden_states/rows_40-45") == [
         "40.safetensors", "41.safetensors", "42.safetensors", "43.safetensors", "44.safetensors", "_CHECK.json",
-        "_SUCCESS.json",
-    ]  # the check's verdict is recorded beside the manifest it judged (shard_window.py)
+        "_PROVENANCE.json", "_SUCCESS.json",
+    ]  # the check's verdict is recorded beside the manifest it judged (shard_window.py), and what made it
     assert project.store.read_json("hidden_states/rows_40-45/_CHECK.json")["passed"] is True
     checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
     assert [(c.event_specific_data.check_name, c.event_specific_data.passed) for c in checks] == [
@@ -332,6 +332,10 @@ def test_drafter_trains_on_two_ranks_and_a_killed_rank_fails_the_run_which_resum
     assert store.read_json("drafter/checkpoints/step_10/state.json")["run"]["world_size"] == 2
     logs = [e.message for e in instance.all_logs(resumed.run_id) if e.user_message]
     assert any("drafter: resuming from drafter/checkpoints/step_2 (step 2 of 10" in m for m in logs)
-    observed = instance.fetch_observations(AssetKey("drafter"), limit=10).records
-    assert [o.asset_observation.metadata["step"].value for o in observed] == [10]  # one every 10 steps, from rank 0
-    assert observed[0].asset_observation.metadata["loss"].value > 0
+    observed = [o.asset_observation.metadata for o in instance.fetch_observations(AssetKey("drafter"), limit=10).records]
+    progress = [m for m in observed if "loss" in m]
+    assert [m["step"].value for m in progress] == [10]  # one every 10 steps, from rank 0
+    assert progress[0]["loss"].value > 0
+    # And one per held-out evaluation (at the last step here): the acceptance estimate the UI plots.
+    evaluations = [m for m in observed if "heldout_accept_len_k3" in m]
+    assert [m["step"].value for m in evaluations] == [10] and evaluations[0]["heldout_accept_len_k3"].value >= 1.0

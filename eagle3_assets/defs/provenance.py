@@ -14,7 +14,6 @@ same function as an `AutomationCondition`, evaluated in the code location.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from dagster import (
@@ -73,22 +72,20 @@ def materialized(
 class Staleness:
     """One look at what the store holds against what the current settings would make (outside files read once)."""
 
-    LOOK_S = 5.0  # how long the automation's conditions share one look: they are evaluated together each tick
-    _shared: dict[int, tuple[float, Staleness]] = {}
+    _shared: dict[int, tuple[object, Staleness]] = {}
 
     def __init__(self, project: Project):
         self.project = project
         self.inputs = Inputs(project.settings, project.store)
 
     @classmethod
-    def shared(cls, project: Project) -> Staleness:
-        """The look the conditions of one sensor tick share (a new one after `LOOK_S`); the start command takes a
-        new look before each decision instead."""
-        now = time.monotonic()
-        taken, look = cls._shared.get(id(project), (0.0, None))
-        if look is None or look.project is not project or now - taken > cls.LOOK_S:
+    def shared(cls, project: Project, tick: object) -> Staleness:
+        """The look the conditions of one sensor tick (its evaluation time) share; the start command takes a new
+        look before each decision instead."""
+        seen, look = cls._shared.get(id(project), (None, None))
+        if look is None or look.project is not project or seen != tick:
             look = cls(project)
-            cls._shared[id(project)] = (now, look)
+            cls._shared[id(project)] = (tick, look)
         return look
 
     def expected(self, asset: str, partition: str | None = None) -> Provenance:
@@ -136,7 +133,7 @@ class ProvenanceChanged(AutomationCondition):
         return "provenance_changed"
 
     def evaluate(self, context: AutomationContext) -> AutomationResult:
-        staleness = Staleness.shared(self.project)
+        staleness = Staleness.shared(self.project, context.evaluation_time)
         instance = context.asset_graph_view.instance
         key = context.key
         due = set()
@@ -165,7 +162,7 @@ class AncestorDue(AutomationCondition):
 
     def evaluate(self, context: AutomationContext) -> AutomationResult:
         graph, instance = context.asset_graph, context.asset_graph_view.instance
-        staleness = Staleness.shared(self.project)
+        staleness = Staleness.shared(self.project, context.evaluation_time)
         todo, seen = list(graph.get(context.key).parent_keys), set()
         while todo:
             key = todo.pop()

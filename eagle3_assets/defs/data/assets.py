@@ -127,8 +127,6 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
     """The target LLM: the configured HF directory, validated; in the demo, a small model built once and cached."""
     started = time.monotonic()
     built: dict[str, object] = {}
-    with failures():
-        want = Staleness(project).expected("target_model")
     if project.settings.is_demo:
         if _demo_target_current(project):
             context.log.info("demo target already built with these settings; reusing it")
@@ -139,6 +137,7 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
         project.settings.check_against_target(vocab_size=target.vocab_size)
         tokenizer = load_tokenizer(target)
         reasoning = detect_format(tokenizer, project.settings.generation.reasoning)
+        want = Staleness(project).expected("target_model")  # the files just validated
     spec = SampleSpec(target.hidden_size, target.aux_layer_ids, project.settings.extraction.storage_dtype)
     version = materialized(project, want)
     return MaterializeResult(
