@@ -68,6 +68,12 @@ def shard_dir(key: str) -> str:
     return f"{HIDDEN_STATES_DIR}/{key}"
 
 
+def shard_lease_dir(key: str) -> str:
+    """Where the lease of the shard's extractor lies: beside the shard, since the integrity check
+    flags any file in the shard directory that is not the shard's."""
+    return f"{HIDDEN_STATES_DIR}/_leases/{key}"
+
+
 def sample_path(key: str, row: int) -> str:
     """`hidden_states/rows_0-200/17.safetensors`: row is the global tokenized row index."""
     return f"{shard_dir(key)}/{row}{SAMPLE_SUFFIX}"

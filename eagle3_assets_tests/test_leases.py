@@ -139,3 +139,53 @@ def test_two_start_commands_on_one_store_the_second_refuses_naming_the_first(tmp
         for p in both:
             kill_group(p.pid)
     assert not op.project.store.exists("start/_LEASE.json")  # released on the way out
+
+
+@pytest.mark.slow  # the tiny data assets, then three extraction processes
+def test_two_extractions_of_one_shard_one_extracts_the_other_refuses_naming_it(tmp_path, tiny_target_dir):
+    """Two instances (two nodes' $DAGSTER_HOMEs) sharing one store: the `gpu` pool orders only one instance's runs."""
+    import shutil
+
+    from dagster import DagsterInstance
+
+    from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
+
+    from .helpers import kill_group, wait_until_stalled
+
+    op = Operator(tmp_path, tiny_target_dir)
+    op.data_assets()
+    other = tmp_path / "other-home"
+    other.mkdir()
+    shutil.copy(op.home / "dagster.yaml", other / "dagster.yaml")
+    with op.instance() as instance, DagsterInstance.from_config(str(other)) as second:
+        second.add_dynamic_partitions(shard_partitions.name, registered_shard_keys(instance))
+    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
+           "--select", "hidden_states", "--partition", "rows_0-20"]  # fmt: skip
+    env = {**op.env, "DAGSTER_HOME": str(other)}
+    store, lease = op.project.store, "hidden_states/_leases/rows_0-20/_LEASE.json"
+
+    first = op.spawn("--shard", "rows_0-20", stall_at="extracted:rows_0-20:1")
+    try:
+        wait_until_stalled(first, "extracted:rows_0-20:1")
+        holder = store.read_json(lease)
+        samples = sorted(store.listdir("hidden_states/rows_0-20"))
+        refused = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0
+        assert (
+            f"shard rows_0-20: file://{op.root}/hidden_states/_leases/rows_0-20 is held by another process "
+            f"(host {os.uname().nodename}, pid {holder['pid']}, run {holder['run_id']}, since "
+        ) in refused.stdout + refused.stderr
+        with DagsterInstance.from_config(str(other)) as second:
+            (run,) = second.get_runs()
+            assert run.tags["dagster/will_retry"] == "false"  # a refusal: never retried
+        with op.instance() as instance:
+            assert instance.get_run_by_id(holder["run_id"]).tags["dagster/partition"] == "rows_0-20"
+        assert sorted(store.listdir("hidden_states/rows_0-20")) == samples  # it wrote nothing
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    finally:
+        kill_group(first.pid)
+    assert not store.exists(lease)  # released on the way out
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert store.exists("hidden_states/rows_0-20/_SUCCESS.json") and not store.exists(lease)

@@ -1,6 +1,7 @@
 """`hidden_states`: one partition per shard of tokenized rows, extracted on the GPU node."""
 
 from contextlib import ExitStack
+from dataclasses import replace
 
 from dagster import (
     AssetExecutionContext,
@@ -21,9 +22,10 @@ from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.leases import server_lease
 from eagle3_assets.hidden_states import open_extractor
 from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
+from eagle3_assets.leases import Lease
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import claim_dir
-from eagle3_assets.sample_file import SampleSpec, shard_dir
+from eagle3_assets.sample_file import SampleSpec, shard_dir, shard_lease_dir
 from eagle3_assets.settings import ExtractionSettings
 from eagle3_assets.shard_window import Window
 from eagle3_assets.shards import Shard
@@ -63,6 +65,12 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
             context.log.info(progress.summary())
 
         with failures(f"shard {shard.key}"), ExitStack() as stack:
+            # One extractor per shard, whichever instance, node or command runs it (the `gpu` pool only
+            # orders runs of one instance): taken before anything loads or is written, so a second one
+            # refuses at once, naming this one; everything after goes through its check.
+            lease = stack.enter_context(Lease(store, shard_lease_dir(shard.key), context.run_id))
+            store = store.guarded(lease.check)
+            owned = replace(project, store=store)
             want = Staleness(project).expected("hidden_states", shard.key)
             # Files extracted from another target, other rows or other settings are never reused.
             if causes := claim_dir(store, shard_dir(shard.key), want):
@@ -92,7 +100,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
                     context.log.info(note)
             else:
                 context.log.info(f"shard {shard.key}: every row is valid and its manifest agrees; nothing to extract")
-        version = materialized(project, want, partition=shard.key)
+            version = materialized(owned, want, partition=shard.key)
         return MaterializeResult(
             data_version=version["data_version"],
             metadata=version["metadata"] | to_metadata(
