@@ -3,6 +3,7 @@ vocab maps, a Dagster instance with the repo's pool limit, and vLLM test-server 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,6 @@ from dagster._core.test_utils import instance_for_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_assets.crash_points import CRASH_ENV, STALL_ENV, STALLED
-from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.hidden_states.hf_extractor import final_norm
 from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
 from eagle3_assets.settings import VllmSettings
@@ -297,6 +297,21 @@ class Operator:
         with self.instance() as instance:
             job = build_definitions(self.project).resolve_implicit_global_asset_job_def()
             assert job.execute_in_process(instance=instance, asset_selection=[AssetKey(k) for k in keys]).success
+
+
+def prompt_file_operator(tmp: Path, tiny_target_dir: Path, rows: int = 40) -> tuple[Operator, Path, dict, list[dict]]:
+    """An operator whose settings name a prompt file (the tiny demo's first `rows` prompts, 4 held out), so a test can
+    append to it: the operator, the file, those settings, and every demo prompt."""
+    from eagle3_assets.demo.prompts import demo_prompt_sets
+
+    from .conftest import TINY_DEMO
+
+    prompts = tmp / "prompts.jsonl"
+    train, held = demo_prompt_sets(TINY_DEMO)
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in train[:rows]))
+    (tmp / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held[:4]))
+    base = dict(prompts=str(prompts), eval_prompts=str(tmp / "eval.jsonl"))
+    return Operator(tmp, tiny_target_dir, **base), prompts, base, train
 
 
 def hybrid_demo_tokenizer(target: TargetModel):

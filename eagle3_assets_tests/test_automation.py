@@ -286,18 +286,12 @@ class Daemon:
 def test_under_the_daemon_each_change_redoes_exactly_what_it_made_stale(tmp_path, tiny_target_dir):
     import json
 
-    from eagle3_assets.demo.prompts import demo_prompt_sets
     from eagle3_assets.settings import GenerationSettings
 
     from .conftest import TINY_DEMO
-    from .helpers import Operator
+    from .helpers import prompt_file_operator
 
-    prompts = tmp_path / "prompts.jsonl"
-    train, held = demo_prompt_sets(TINY_DEMO)
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in train[:40]))
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held[:4]))
-    base = dict(prompts=str(prompts), eval_prompts=str(tmp_path / "eval.jsonl"))
-    op = Operator(tmp_path, tiny_target_dir, **base)
+    op, prompts, base, train = prompt_file_operator(tmp_path, tiny_target_dir)
     made = op.start("--through", "drafter")  # the graph made once, as a person would start it
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
 

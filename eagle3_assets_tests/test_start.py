@@ -140,18 +140,13 @@ def test_a_changed_setting_or_input_redoes_exactly_what_it_made_and_keeps_the_re
     """Each change through the one command: what runs, what it regenerates, what it keeps (issue 32)."""
     import json
 
-    from eagle3_assets.demo.prompts import demo_prompt_sets
     from eagle3_assets.responses import PARTS_DIR
     from eagle3_assets.settings import GenerationSettings, TrainingSettings
 
     from .conftest import TINY_DEMO, tiny_settings
+    from .helpers import prompt_file_operator
 
-    prompts = tmp_path / "prompts.jsonl"
-    train, held = demo_prompt_sets(TINY_DEMO)
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in train[:40]))
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held[:4]))
-    base = dict(prompts=str(prompts), eval_prompts=str(tmp_path / "eval.jsonl"))
-    op = Operator(tmp_path, tiny_target_dir, **base)
+    op, prompts, base, train = prompt_file_operator(tmp_path, tiny_target_dir)
     store = op.project.store
 
     def run_with(**changes) -> tuple[list[str], str]:
