@@ -50,7 +50,7 @@ from eagle3_assets_tests.test_pipeline import DATA_ASSETS, seed_demo_target
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = REPO_ROOT / "test-artifacts" / "ui"
-ALL_ASSETS = DATA_ASSETS + ["hidden_states", "drafter", "drafter_eval"]
+ALL_ASSETS = DATA_ASSETS + ["hidden_states", "drafter", "drafter_eval", "drafter_release"]
 SHARDS = ["rows_0-20", "rows_20-40", "rows_40-45"]
 WEBHOOK_ENV = "EAGLE3_TEST_UI_WEBHOOK"
 # Edges of the docs/DESIGN.md §1 graph: asset -> what it depends on.
@@ -64,6 +64,7 @@ LINEAGE = {
     "hidden_states": ["target_model", "tokenized"],
     "drafter": ["hidden_states", "target_model", "vocab_map"],
     "drafter_eval": ["drafter"],
+    "drafter_release": ["drafter_eval"],
 }
 CHROMIUM_FLAGS = [
     "--headless",
@@ -236,6 +237,7 @@ def test_the_asset_graph_lists_every_asset_with_its_lineage_and_shards(ui):
         "hidden_states": "shards",
         "drafter": "drafter",
         "drafter_eval": "drafter",
+        "drafter_release": "drafter",
     }
     assert [k for k, n in graph.items() if n["isPartitioned"]] == ["hidden_states"]
     shards = graph["hidden_states"]
@@ -447,7 +449,7 @@ def browse(url: str, name: str, profile_root: Path) -> str:
 def test_the_browser_shows_the_asset_graph_and_the_shard_partitions(ui, tmp_path):
     profiles = tmp_path / "profiles"
     profiles.mkdir()
-    lineage = f"{ui.url}/assets/drafter_eval?view=lineage&lineageScope=upstream&lineageDepth=10"
+    lineage = f"{ui.url}/assets/drafter_release?view=lineage&lineageScope=upstream&lineageDepth=10"
     graph = browse(lineage, "asset-graph", profiles)
     for asset in ALL_ASSETS:
         assert asset in graph, f"{asset} is not on the rendered asset graph: {graph[:1500]}"
