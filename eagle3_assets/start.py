@@ -322,32 +322,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.redo_from is not None and args.redo_from not in keys:
         print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
         return 2
-    with DagsterInstance.get() as instance, StopSignals().installed() as stop:
-        start = GraphStart(defs, instance, project, build=build_definitions, stop=stop)
-        if args.list_shards:
-            for key, state in start.shard_states().items():
-                print(f"{key}\t{state}")
-            return 0
-        began = time.monotonic()
-        # One whole-graph command per store, whichever instance it records into; `--shard` repairs a
-        # shard beside it (the rolling loop asks for that) and takes no lease.
-        lease = None if args.shard else Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start")
-        try:
-            with lease or nullcontext():
-                ok = start.run_shards(args.shard) if args.shard else start.run(
-                    through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
-                )  # fmt: skip
-        except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command
-            print(f"error: {e}", file=sys.stderr)
-            return 2 if isinstance(e, UnknownShardKey) else 1
-        except Stopped as e:
-            again = shlex.join(["python", "-m", "eagle3_assets.start", *argv])
-            _say(f"stopped by {e.signal.name}: nothing more was launched. Run the same command to resume: {again}")
-            return e.exit_status
-        if not ok:
-            return 1
-        _say(f"finished in {time.monotonic() - began:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")
-        return 0
+    # One whole-graph command per store, whichever instance it records into; `--shard` repairs a shard beside it
+    # (the rolling loop asks for that) and takes no lease. The lease comes first: two commands opening a fresh
+    # $DAGSTER_HOME at once would race to create its tables, and the second must only refuse, touching nothing.
+    whole_graph = not (args.shard or args.list_shards)
+    lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if whole_graph else nullcontext()
+    began = time.monotonic()
+    try:
+        with lease, DagsterInstance.get() as instance, StopSignals().installed() as stop:
+            start = GraphStart(defs, instance, project, build=build_definitions, stop=stop)
+            if args.list_shards:
+                for key, state in start.shard_states().items():
+                    print(f"{key}\t{state}")
+                return 0
+            ok = start.run_shards(args.shard) if args.shard else start.run(
+                through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
+            )  # fmt: skip
+    except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UnknownShardKey) else 1
+    except Stopped as e:
+        again = shlex.join(["python", "-m", "eagle3_assets.start", *argv])
+        _say(f"stopped by {e.signal.name}: nothing more was launched. Run the same command to resume: {again}")
+        return e.exit_status
+    if not ok:
+        return 1
+    _say(f"finished in {time.monotonic() - began:.0f}s; artifacts in $EAGLE3_ROOT, runs in $DAGSTER_HOME")
+    return 0
 
 
 if __name__ == "__main__":
