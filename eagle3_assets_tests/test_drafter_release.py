@@ -16,6 +16,7 @@ from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, ReferenceDrafterMis
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.release import RELEASE_DIR, RELEASED, export_digest, release_decision
 from eagle3_assets.project import Project
+from eagle3_assets.provenance import Provenance, Record, write_record
 from eagle3_assets.settings import EvaluationSettings
 from eagle3_assets.storage import ArtifactStore
 
@@ -119,12 +120,59 @@ def test_an_export_serving_at_acceptance_one_is_never_released_even_first(tmp_pa
     assert not store.exists(RELEASE_DIR)
 
 
+def made_target(store: ArtifactStore, version: str) -> None:
+    """The store's `target_model` record, as the asset leaves it: `version` names the target."""
+    write_record(store, Record(Provenance("target_model", {}, {}, 1), version))
+
+
+def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_targets_first_release_replaces_it(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(), store)
+    where = store.url_of(RELEASE_DIR)
+    with DagsterInstance.ephemeral() as instance:
+        made_target(store, "target-a")
+        first = write_export(store, 1.0)
+        result, _, _ = release(project, instance, report(3.0, 4.0, export_sha256=first))
+        assert result.success and store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
+        assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
+
+        # Another target: its drafter is judged alone (the old release is not served beside it) ...
+        made_target(store, "target-b")
+        other = (
+            f"the drafter released at {where} was released for another target (target_model version target-a, "
+            "now target-b)"
+        )
+        lines: list[str] = []
+        assert beside_drafters(store, EvaluationSettings(), tmp_path, log=lines.append) == {}
+        assert lines == [f"drafter_eval: {other}: not served beside the new export"]
+        # ... one whose drafts are not accepted releases nothing, and says nothing is released for this target ...
+        zeroed = write_export(store, 0.0)
+        result, meta, check = release(project, instance, report(1.0, 1.0, export_sha256=zeroed))
+        assert not result.success and not check.passed
+        assert check.description.endswith(f"never released; {other}: nothing is released for this target")
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
+        # ... and one that serves, even below the old target's figures, is its first release and replaces it.
+        second = write_export(store, 2.0)
+        result, meta, check = release(project, instance, report(1.5, 1.6, export_sha256=second))
+        assert result.success and check.passed
+        assert meta["reason"].value == f"first release: k=3 1.500, k=7 1.600; {other}: replaced"
+        assert "released_k3" not in meta
+        record = store.read_json(f"{RELEASE_DIR}/release.json")
+        assert (record["target"], record["acceptance"], record["replaced"]) == ("target-b", {"k3": 1.5, "k7": 1.6}, None)
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 2.0}\n'
+
+    # A release made before releases named their target stays the baseline (replacing one cannot be undone).
+    store.write_json(f"{RELEASE_DIR}/release.json", {"acceptance": {"k3": 2.0}})
+    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
+
+
 def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_and_refuses_a_missing_reference(
     tmp_path,
 ):
     store = ArtifactStore(tmp_path / "store")
     assert beside_drafters(store, EvaluationSettings(), tmp_path) == {}
-    store.write_json(f"{RELEASE_DIR}/release.json", {"acceptance": {"k3": 2.0}})
+    made_target(store, "target-a")
+    store.write_json(f"{RELEASE_DIR}/release.json", {"target": "target-a", "acceptance": {"k3": 2.0}})
     reference = tmp_path / "published"
     reference.mkdir()
     (reference / "config.json").write_text("{}")

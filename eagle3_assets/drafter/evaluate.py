@@ -40,7 +40,14 @@ from transformers import PreTrainedTokenizerBase
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
-from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD, RELEASED, export_digest
+from eagle3_assets.drafter.release import (
+    RELEASE_DIR,
+    RELEASE_RECORD,
+    RELEASED,
+    export_digest,
+    other_target,
+    target_version,
+)
 from eagle3_assets.drafter.run import heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
@@ -190,10 +197,15 @@ def eval_prompt_ids(
     ]
 
 
-def beside_drafters(store: ArtifactStore, settings: EvaluationSettings, tmp: Path) -> dict[str, Path]:
-    """The drafters served beside ours: the released one when there is one, and the reference when set."""
+def beside_drafters(
+    store: ArtifactStore, settings: EvaluationSettings, tmp: Path, log: Callable[[str], None] = print
+) -> dict[str, Path]:
+    """The drafters served beside ours: the one released for this target when there is one, and the reference
+    when set."""
     out: dict[str, Path] = {}
-    if store.exists(RELEASE_RECORD):
+    if other := other_target(store, target_version(store)):
+        log(f"drafter_eval: {other}: not served beside the new export")
+    elif store.exists(RELEASE_RECORD):
         out[RELEASED] = local_copy(store, RELEASE_DIR, tmp / "release")
     if settings.reference_drafter is not None:
         ref = Path(settings.reference_drafter)
@@ -242,7 +254,7 @@ def evaluate_drafter(
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
         export_dir = local_copy(store, EXPORT_DIR, Path(tmp) / "export")
-        beside = [(name, d, k) for name, d in beside_drafters(store, settings.evaluation, Path(tmp)).items()
+        beside = [(name, d, k) for name, d in beside_drafters(store, settings.evaluation, Path(tmp), log).items()
                   for k in SPECULATIVE_TOKENS]  # fmt: skip
 
         variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]

@@ -8,6 +8,10 @@ same engine: `evaluate.py`); its report decides. The new export is promoted (cop
     are never accepted (a zeroed or misloaded head serves at 1.0) is never released, not even first,
   - and it serves at least the released drafter's mean acceptance length at every k.
 Otherwise the released drafter stays and the decision's reason names both figures.
+
+A release belongs to the target it was released for (`release.json` keeps the version of the store's
+`target_model`, docs/DESIGN.md §9). A drafter released for another target is no baseline: it is not served
+beside the new export, and the new export is judged as a first release, which replaces it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.errors import Refusal
+from eagle3_assets.provenance import read_record
 from eagle3_assets.storage import ArtifactStore
 
 RELEASE_DIR = "drafter/release"
@@ -48,6 +53,28 @@ def acceptance_of(figures: dict[str, Any]) -> dict[str, float]:
         for name, v in figures.items()
         if name.startswith(prefix) and name[len(prefix) :].isdigit()
     }
+
+
+def target_version(store: ArtifactStore) -> str:
+    """The version of the target the store's artifacts are made from (its `target_model` record)."""
+    record = read_record(store, "target_model")
+    return record.version if record is not None else "none"
+
+
+def other_target(store: ArtifactStore, target: str) -> str | None:
+    """Why the released drafter is no baseline for an export of `target` (the version `target_version` gives): it
+    was released for another target. None when it is one, or when nothing is released."""
+    if not store.exists(RELEASE_RECORD):
+        return None
+    # A release from before releases named their target stays the baseline, as it was: replacing a release is
+    # irreversible, a refused export is not (remove `drafter/release/` to release it).
+    released_for = store.read_json(RELEASE_RECORD).get("target", target)
+    if released_for == target:
+        return None
+    return (
+        f"the drafter released at {store.url_of(RELEASE_DIR)} was released for another target (target_model "
+        f"version {released_for}, now {target})"
+    )
 
 
 def release_decision(report: dict[str, Any], released: dict[str, float] | None, min_acceptance: float) -> Decision:
@@ -88,13 +115,24 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
     return hashlib.sha256(store.read_bytes(f"{rel}/model.safetensors")).hexdigest()
 
 
-def released_figures(store: ArtifactStore, report: dict[str, Any]) -> dict[str, float] | None:
-    """The released drafter's acceptance served beside the new export, None when nothing is released yet."""
+def decide(store: ArtifactStore, report: dict[str, Any], target: str, min_acceptance: float) -> Decision:
+    """`release_decision` on the report of the export now in the store, against the drafter released for `target`
+    (nothing released for it: a first release, which replaces a release of another target, saying so)."""
     if report.get("export_sha256") != export_digest(store):
         raise NotComparable(
             f"the drafter_eval report ({report.get('export_sha256', 'no digest')}) is not of the export now at "
             f"{store.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
         )
+    other = other_target(store, target)
+    decision = release_decision(report, None if other else released_figures(store, report), min_acceptance)
+    if other:
+        outcome = "replaced" if decision.promote else "nothing is released for this target"
+        return Decision(decision.promote, f"{decision.reason}; {other}: {outcome}", decision.candidate, None)
+    return decision
+
+
+def released_figures(store: ArtifactStore, report: dict[str, Any]) -> dict[str, float] | None:
+    """The released drafter's acceptance served beside the new export (`report`), None when nothing is released."""
     if not store.exists(RELEASE_RECORD):
         return None
     beside = report.get("beside", {}).get(RELEASED)
@@ -109,12 +147,14 @@ def released_figures(store: ArtifactStore, report: dict[str, Any]) -> dict[str, 
     return acceptance_of(beside)
 
 
-def promote(store: ArtifactStore, decision: Decision, report: dict[str, Any]) -> str:
-    """Copy the export to `drafter/release/` with the figures it was released on; returns the release's URL."""
+def promote(store: ArtifactStore, decision: Decision, report: dict[str, Any], target: str) -> str:
+    """Copy the export to `drafter/release/` with the figures it was released on and the version of the target
+    it was released for; returns the release's URL."""
     with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
         for name in store.listdir(EXPORT_DIR):
             (Path(tmp) / name).write_bytes(store.read_bytes(f"{EXPORT_DIR}/{name}"))
         record = {
+            "target": target,
             "acceptance": decision.candidate,
             "replaced": decision.released,
             "reason": decision.reason,

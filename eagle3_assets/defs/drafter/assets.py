@@ -30,7 +30,7 @@ from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import CHECK_NAME
 from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.release import RELEASE_DIR, promote, release_decision, released_figures
+from eagle3_assets.drafter.release import RELEASE_DIR, decide, promote, target_version
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import TrainingSettings
@@ -147,11 +147,10 @@ def drafter_release(project: ResourceParam[Project]) -> MaterializeResult:
         raise refusal(f"no drafter_eval report at {store.url_of(EVAL_REPORT_FILE)}: materialize drafter_eval first")
     report = store.read_json(EVAL_REPORT_FILE)
     with failures():
-        decision = release_decision(
-            report, released_figures(store, report), project.settings.evaluation.release_min_acceptance
-        )
+        target = target_version(store)
+        decision = decide(store, report, target, project.settings.evaluation.release_min_acceptance)
         if decision.promote:
-            promote(store, decision, report)
+            promote(store, decision, report, target)
     figures = {f"new_{k}": v for k, v in decision.candidate.items()} | {
         f"released_{k}": v for k, v in (decision.released or {}).items()
     }
