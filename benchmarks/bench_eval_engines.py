@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from eagle3_assets.demo.target import build_demo_target
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
@@ -37,8 +39,6 @@ PROMPTS = [[1, 5, 9, 13, 17, 21], [2, 4, 6, 8, 10, 12, 14]]
 
 def build(tmp: Path) -> tuple[Path, Path]:
     """An untrained demo-shaped target and an untrained drafter export of it (identity vocab map)."""
-    import numpy as np
-
     target_dir = tmp / "target"
     build_demo_target(target_dir, DemoSettings(num_prompts=40, train_steps=0), log=lambda _: None)
     target = TargetModel.read(target_dir, aux_layer_ids=AUX)
