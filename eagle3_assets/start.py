@@ -313,31 +313,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
         return 2
     try:
-        from eagle3_assets.definitions import build_definitions, defs
-    except Eagle3Error as e:  # settings refused as the definitions load: the message names the field
+        project = Project.from_environment()
+    except Eagle3Error as e:  # settings refused as they load: the message names the field
         print(f"error: {e}", file=sys.stderr)
         return 2
-    project = defs.resources["project"]
-    keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
-    if args.redo_from is not None and args.redo_from not in keys:
-        print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
-        return 2
     # One whole-graph command per store, whichever instance it records into; `--shard` repairs a shard beside it
-    # (the rolling loop asks for that) and takes no lease. The lease comes first: two commands opening a fresh
-    # $DAGSTER_HOME at once would race to create its tables, and the second must only refuse, touching nothing.
+    # (the rolling loop asks for that) and takes no lease. The lease comes first, before anything opens
+    # $DAGSTER_HOME (loading the definitions does: the code location's pool check): two commands opening a fresh
+    # one at once race to create its tables, and the second must only refuse, touching nothing.
     whole_graph = not (args.shard or args.list_shards)
     lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if whole_graph else nullcontext()
     began = time.monotonic()
     try:
-        with lease, DagsterInstance.get() as instance, StopSignals().installed() as stop:
-            start = GraphStart(defs, instance, project, build=build_definitions, stop=stop)
-            if args.list_shards:
-                for key, state in start.shard_states().items():
-                    print(f"{key}\t{state}")
-                return 0
-            ok = start.run_shards(args.shard) if args.shard else start.run(
-                through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
-            )  # fmt: skip
+        with lease:
+            try:
+                from eagle3_assets.definitions import build_definitions, defs
+            except Eagle3Error as e:  # refused as the definitions load (a setting checked against the target)
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
+            if args.redo_from is not None and args.redo_from not in keys:
+                print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
+                return 2
+            with DagsterInstance.get() as instance, StopSignals().installed() as stop:
+                start = GraphStart(defs, instance, defs.resources["project"], build=build_definitions, stop=stop)
+                if args.list_shards:
+                    for key, state in start.shard_states().items():
+                        print(f"{key}\t{state}")
+                    return 0
+                ok = start.run_shards(args.shard) if args.shard else start.run(
+                    through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
+                )  # fmt: skip
     except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UnknownShardKey) else 1

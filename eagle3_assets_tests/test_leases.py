@@ -141,6 +141,21 @@ def test_two_start_commands_on_one_store_the_second_refuses_naming_the_first(tmp
     assert not op.project.store.exists("start/_LEASE.json")  # released on the way out
 
 
+@pytest.mark.slow  # a start command
+def test_a_start_command_refused_by_the_lease_leaves_a_fresh_dagster_home_untouched(tmp_path, tiny_target_dir):
+    """The lease comes before anything opens $DAGSTER_HOME: two commands creating a fresh instance's tables at once
+    corrupt them (alembic: "more than one head"), which is what a second command racing the first did when it
+    loaded the definitions, and their pool check opened the instance, before it asked for the lease."""
+    from eagle3_assets.start import START_LEASE_DIR
+
+    op = Operator(tmp_path, tiny_target_dir)
+    with Lease(op.project.store, START_LEASE_DIR, "held by the test", **FAST):
+        refused = op.start("--through", "hidden_states")
+    assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert f"error: file://{op.root}/start is held by another process (host {os.uname().nodename}, pid {os.getpid()}, " in refused.stderr
+    assert sorted(p.name for p in op.home.iterdir()) == ["dagster.yaml"]  # no instance opened, no table made
+
+
 @pytest.mark.slow  # the tiny data assets, then three extraction processes
 def test_two_extractions_of_one_shard_one_extracts_the_other_refuses_naming_it(tmp_path, tiny_target_dir):
     """Two instances (two nodes' $DAGSTER_HOMEs) sharing one store: the `gpu` pool orders only one instance's runs."""
