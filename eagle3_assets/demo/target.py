@@ -9,7 +9,9 @@ template, greedy generation config) that vLLM can serve.
 
 The directory is assembled under a temporary name next to `out_dir` and renamed into
 place at the end, so a crash never leaves a directory that looks like a model.
-Deterministic given `demo.seed` (and the thread count: 2 during the build).
+Deterministic given `demo.seed` and the thread count: 2 during the build, or 1 in a process
+given one thread (OMP_NUM_THREADS=1, as each test worker is): two threads on a core another
+process is busy on run several times slower than one.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class TrainingRecipe:
     max_position_embeddings: int = 2048
     tokenizer_corpus_rows: int = 3000  # random pair/template rows added to the tokenizer corpus
     eval_template_rows: int = 64
-    threads: int = 2
+    threads: int = 2  # at most: a process given fewer threads (OMP_NUM_THREADS) keeps its number
 
 
 RECIPE = TrainingRecipe()
@@ -321,7 +323,7 @@ def build_demo_target(out_dir: Path, demo: DemoSettings, *, log: Callable[[str],
     out_dir = Path(out_dir)
     started = time.monotonic()
     threads = torch.get_num_threads()
-    torch.set_num_threads(RECIPE.threads)
+    torch.set_num_threads(min(RECIPE.threads, threads))
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         world = demo_world(demo.seed)
