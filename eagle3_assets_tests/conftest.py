@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,11 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n 2` each worker owns one core's worth of compute: its torch, and every
+    # process it starts (torchrun ranks, the start command), runs one thread, so two workers
+    # do not oversubscribe the two cores. vLLM engines claim cores of their own (vllm_server/cores.py).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from eagle3_assets.settings import (  # noqa: E402
     DemoSettings,
@@ -57,3 +63,34 @@ def small_tmpfs(tmp_path: Path):
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+# -- the suite's budget ---------------------------------------------------------------------------
+# `make test` must finish within 25 minutes on 2 cores, install included (README). The closing lines
+# say how much of it this run used, so the test that pushes past it is seen the day it lands. A report,
+# not an assertion: a loaded machine must not fail the suite for being slow.
+SUITE_BUDGET_S = 25 * 60
+_suite_started = time.monotonic()
+_test_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # On the controller under xdist this sees every worker's reports: setup, call and teardown.
+    _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _test_seconds or hasattr(config, "workerinput"):
+        return
+    wall = time.monotonic() - _suite_started
+    workers = getattr(config.option, "numprocesses", None) or 1
+    terminalreporter.write_sep("=", "suite budget")
+    terminalreporter.write_line(
+        f"{len(_test_seconds)} tests: {wall / 60:.1f} min wall of the {SUITE_BUDGET_S // 60}-minute budget for "
+        f"`make test` ({wall / SUITE_BUDGET_S:.0%}; the install comes on top), on {workers} worker(s); "
+        f"the tests' own time adds up to {sum(_test_seconds.values()) / 60:.1f} min"
+    )
+    if wall > SUITE_BUDGET_S:
+        terminalreporter.write_line(
+            "OVER BUDGET: make the slowest tests above cheaper (one build, many assertions; one engine, many questions)"
+        )
