@@ -1,16 +1,24 @@
-"""The drafter's quality bars on the demo, built exactly as `make demo` builds it (issues 4 and 7).
+"""The drafter's quality on the demo, at two sizes of one graph (issues 4, 7 and 41).
 
-One module fixture runs the whole graph with the demo settings through the one start
-command, `python -m eagle3_assets.start`, into a real $DAGSTER_HOME: the demo target trained
-in-process, 4,000 responses, ten shards, ~1,057 drafter steps, and `drafter_eval` in vLLM
-(CPU build). The first start is killed outright in the middle of the second shard; the same
-command, started again, finishes it. About 10 minutes on two quiet CPU cores; the figures
-in the assertions' comments are from that run (BENCHMARKS.md).
+One module fixture runs the whole graph through the one start command, `python -m
+eagle3_assets.start`, into a real $DAGSTER_HOME: the demo target trained in-process, the
+responses, the shards, the drafter, `drafter_eval` in vLLM (CPU build) and `drafter_release`.
+The first start is killed outright in the middle of the second shard; the same command,
+started again, finishes it and redoes nothing that was finished.
 
-The off-by-one test then trains two short drafters on the demo's rows, one on correct
-features and one on shards whose aux features come from the classic bug, HF
-`hidden_states[i + 1]` (the OUTPUT of layer i) stored as "input of layer i", and scores
-both where an engine would feed them the correct layers.
+Two sizes (`EAGLE3_DEMO_SIZE`):
+- `small`, in `make test`: the smallest demo that still shows what the full one shows, that the
+  served drafter reads the target's features (acceptance over the same drafter with its features
+  zeroed), its output equals greedy decoding, kill and resume redo nothing, and the release gate
+  releases what `drafter_eval` measured. Its bars were measured at that size, with margin.
+- `full`, `make bench-demo`: exactly the graph `make demo` builds (4,000 prompts, ten shards,
+  ~1,057 drafter steps), held to the quality bars of BENCHMARKS.md (`accept`, `acc`), plus the
+  off-by-one and topic-drift drafters, which need the full demo's rows (`off-by-one`, `topic drift`).
+
+The off-by-one test trains two short drafters on the demo's rows, one on correct features and
+one on shards whose aux features come from the classic bug, HF `hidden_states[i + 1]` (the OUTPUT
+of layer i) stored as "input of layer i", and scores both where an engine would feed them the
+correct layers.
 """
 
 from __future__ import annotations
@@ -19,17 +27,19 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
+from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import build_drafter, train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_in_subprocess, generate_runs_in_subprocess
@@ -37,7 +47,7 @@ from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.project import DEMO_MODEL_DIR, Project
 from eagle3_assets.responses import read_responses
-from eagle3_assets.settings import TrainingSettings, demo_settings
+from eagle3_assets.settings import CONFIG_ENV, Settings, TrainingSettings, demo_settings
 from eagle3_assets.shard_window import write_check_record
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.storage import ArtifactStore
@@ -47,9 +57,65 @@ from eagle3_assets.vocab_map import VOCAB_MAP_FILE, VocabMap
 
 from .helpers import REPO
 
-# The module fixture runs the whole demo (~6-11 min on a quiet 2-core machine) inside the
-# first test's budget; a machine shared with other work has taken over twice that.
+# The module fixture runs the whole demo inside the first test's budget: the small one takes
+# minutes, the full one ~6-11 min on a quiet 2-core machine and over twice that on a shared one.
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(5400)]
+
+SIZE_ENV = "EAGLE3_DEMO_SIZE"
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """One size of the demo and the bars it is held to. Each bar sits a little under the figure measured at that
+    size (in the comment beside it): another CPU's float kernels, and a loaded machine's thread timing, train a
+    slightly different drafter."""
+
+    overrides: dict = field(default_factory=dict)  # over demo_settings(); empty = `make demo` itself
+    shards: int = 10
+    k3: float = 2.3  # mean acceptance length served at k=3 ...
+    k7: float = 2.8  # ... and k=7
+    gain_k3: float = 1.18  # over the same drafter with its features zeroed, at k=3 ...
+    gain_k7: float = 1.22  # ... and k=7
+    heldout_acc_0: float = 0.75
+    over_untrained: float = 0.4  # acc_0 on every eval answer token, above an untrained drafter's
+    fact_tokens: int = 150  # eval answer tokens scored as facts ...
+    template_tokens: int = 100  # ... and as template
+    off_reference: int = 16  # two-entity questions the target answers wrongly, left out of `fact`
+    full: bool = True  # the figures that need the full demo's rows: off-by-one, topic drift
+
+    def settings(self) -> Settings:
+        data = demo_settings().model_dump()
+        for section, values in self.overrides.items():
+            data[section] = data[section] | values if isinstance(values, dict) else values
+        return Settings.model_validate(data)
+
+
+SIZES = {
+    # `make demo` as it is. Measured (BENCHMARKS.md `accept`, `acc`): k=3 2.518-2.607, k=7 3.161-3.290; feature
+    # gain 1.22-1.23 / 1.28-1.29; held-out rows acc_0 0.926-0.930, eval answers 0.775-0.787 (untrained 0.001);
+    # fact / template eval tokens 226 / 148.
+    "full": DemoSize(),
+    # 1,200 prompts (three shards), a target trained 600 steps, 8 epochs of the drafter (~150 steps), 64 tokens
+    # decoded per eval prompt. Measured (2 loaded cores, the start command alone, target built on 2 threads): k=3
+    # 2.030, k=7 2.307; feature gain 1.445 / 1.598; held-out rows acc_0 0.667, eval answers 0.636; fact / template
+    # eval tokens 161 / 148, 29 answers off the reference; ~15 min of the loaded machine's time, the target 9.
+    "small": DemoSize(
+        overrides={
+            "demo": {"num_prompts": 1200, "train_steps": 600},
+            "training": {"epochs": 8.0, "warmup_steps": 10, "checkpoint_every": 50, "heldout_rows": 32},
+            "evaluation": {"max_new_tokens": 64},
+        },
+        shards=3, k3=1.8, k7=2.0, gain_k3=1.25, gain_k7=1.3, heldout_acc_0=0.55, over_untrained=0.45,
+        fact_tokens=100, template_tokens=100, off_reference=40, full=False,
+    ),  # fmt: skip
+}
+try:
+    SIZE = SIZES[os.environ.get(SIZE_ENV, "small")]
+except KeyError:
+    raise ValueError(f"{SIZE_ENV}={os.environ[SIZE_ENV]!r}: name one of {sorted(SIZES)}") from None
+full_size_only = pytest.mark.skipif(
+    not SIZE.full, reason=f"needs the full demo's rows: `make bench-demo` ({SIZE_ENV}=full) runs it"
+)
 
 
 # Both drafters of the off-by-one test: the demo's recipe for 155 steps with the feature norms
@@ -84,8 +150,12 @@ def demo(tmp_path_factory):
     home, root = base / "home", base / "store"
     home.mkdir()
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_CONFIG", CRASH_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (CONFIG_ENV, CRASH_ENV)}
     env |= {"DAGSTER_HOME": str(home), "EAGLE3_ROOT": str(root)}
+    settings = SIZE.settings()
+    if SIZE.overrides:
+        (base / "eagle3.yaml").write_text(settings.model_dump_json())
+        env[CONFIG_ENV] = str(base / "eagle3.yaml")
     command = [sys.executable, "-m", "eagle3_assets.start"]
     # Killed outright after 50 samples of the second shard (an OOM kill, a lost node) ...
     killed = subprocess.run(command, cwd=REPO, env=env | {CRASH_ENV: "extracted:rows_400-800:50"}, capture_output=True, text=True)
@@ -94,11 +164,11 @@ def demo(tmp_path_factory):
     resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "[start] vocab_map: finished, skipped" in resumed.stdout
-    assert "[start] 10 shards registered, 1 finished, 9 to run" in resumed.stdout
+    assert f"[start] {SIZE.shards} shards registered, 1 finished, {SIZE.shards - 1} to run" in resumed.stdout
     log = resumed.stdout + resumed.stderr
     # drafter_eval reports each of its five vLLM passes as it finishes, not all at the end.
     assert [p for p in range(1, 6) if f"drafter_eval: pass {p}/5 (" in log] == [1, 2, 3, 4, 5]
-    project = Project(demo_settings(), ArtifactStore(root))
+    project = Project(settings, ArtifactStore(root))
     with DagsterInstance.from_config(str(home)) as instance:
         resumed_shard = instance.fetch_materializations(
             AssetRecordsFilter(asset_key=AssetKey("hidden_states"), asset_partitions=["rows_400-800"]), limit=1
@@ -132,14 +202,25 @@ def side_store(demo, name: str, tmp_path_factory) -> Project:
 def test_served_drafter_meets_the_acceptance_bar_and_reads_the_target(demo):
     project, _ = demo
     report = project.store.read_json(EVAL_REPORT_FILE)
-    # Measured: k=3 2.518, k=7 3.161 (issue 13's bars: 2.3, 2.8); feature gain (over the
-    # same drafter with its features zeroed) 1.230 / 1.290 (bar 1.2). Thresholds a little under
-    # the measured figures: another CPU's float kernels train a slightly different drafter.
     assert report["outputs_match_greedy"] and report["mismatches"] == []
-    assert report["mean_acceptance_length_k3"] >= 2.3
-    assert report["mean_acceptance_length_k7"] >= 2.8
-    assert report["feature_gain_k3"] >= 1.18
-    assert report["feature_gain_k7"] >= 1.22
+    assert report["mean_acceptance_length_k3"] >= SIZE.k3
+    assert report["mean_acceptance_length_k7"] >= SIZE.k7
+    assert report["feature_gain_k3"] >= SIZE.gain_k3
+    assert report["feature_gain_k7"] >= SIZE.gain_k7
+
+
+def test_the_first_drafter_that_passes_the_gate_is_released_with_the_figures_it_served(demo):
+    project, instance = demo
+    report = project.store.read_json(EVAL_REPORT_FILE)
+    record = project.store.read_json(RELEASE_RECORD)
+    served = {"k3": report["mean_acceptance_length_k3"], "k7": report["mean_acceptance_length_k7"]}
+    assert (record["acceptance"], record["replaced"]) == (served, None)
+    assert record["export_sha256"] == report["export_sha256"] == export_digest(project.store)
+    assert record["reason"].startswith("first release: k=3 ")
+    event = instance.get_latest_materialization_event(AssetKey("drafter_release")).asset_materialization
+    assert event.metadata["promoted"].value is True
+    gate = AssetCheckKey(AssetKey("drafter_release"), "no_regression")
+    assert instance.event_log_storage.get_latest_asset_check_execution_by_key([gate])[gate].status.value == "SUCCEEDED"
 
 
 def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, answers, tmp_path_factory):
@@ -152,10 +233,10 @@ def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, an
     model = build_drafter(cfg, load_target_weights(target), vmap, project.settings.training.seed)
     export_drafter(untrained.store, model.trainable_state_dict(), cfg, aux_layer_ids=[1, 2, 3])
     accuracy, _ = token_class_accuracy(target, project.settings, untrained.store.local_path(EXPORT_DIR), *answers)
-    # Measured: trained 0.775 on every answer token of the held-out prompts (0.926 on the
-    # rows held out of training); untrained 0.001.
-    assert report["eval_acc_0_all"] >= accuracy["all"].acc[0] + 0.4, (report["eval_acc_0_all"], accuracy["all"].acc)
-    assert report["heldout_acc_0"] >= 0.75
+    assert report["eval_acc_0_all"] >= accuracy["all"].acc[0] + SIZE.over_untrained, (
+        report["eval_acc_0_all"], accuracy["all"].acc
+    )
+    assert report["heldout_acc_0"] >= SIZE.heldout_acc_0
 
 
 def test_fact_and_template_tokens_are_scored_apart(demo):
@@ -166,13 +247,15 @@ def test_fact_and_template_tokens_are_scored_apart(demo):
     for key in ("eval_acc_0_fact", "eval_acc_0_template", "feature_gain_k3", "feature_gain_k7"):
         assert shown[key] == report[key], key
     # 48 fact prompts about held-out entities; the two-entity questions the target gets wrong
-    # (13 measured) are left out of `fact` and listed in `off_reference`.
-    assert report["eval_rows_off_reference"] == len(report["off_reference"]) <= 16
-    assert report["eval_tokens_fact"] >= 150 and report["eval_tokens_template"] >= 100  # measured 226, 148
-    # Measured: template 0.986, fact 0.478: facts of unseen entities are the hard part.
+    # (13 measured on the full demo, 29 on the small one's less trained target) are left out of
+    # `fact` and listed in `off_reference`.
+    assert report["eval_rows_off_reference"] == len(report["off_reference"]) <= SIZE.off_reference
+    assert report["eval_tokens_fact"] >= SIZE.fact_tokens and report["eval_tokens_template"] >= SIZE.template_tokens
+    # Measured: template 0.986, fact 0.478 (small: 0.662, 0.217): facts of unseen entities are the hard part.
     assert report["eval_acc_0_template"] > report["eval_acc_0_fact"] > 0
 
 
+@full_size_only
 def test_drafter_trained_on_off_by_one_features_scores_lower_on_fact_prompts(demo, answers, tmp_path_factory):
     project, _ = demo
     prompts, prompt_ids, _ = answers
@@ -209,6 +292,7 @@ ROLLING_RECIPE = TrainingSettings.model_validate(
 )
 
 
+@full_size_only
 def test_a_rolling_pass_over_a_prompt_file_sorted_by_kind_learns_what_the_shuffled_file_does(
     demo, answers, tmp_path_factory
 ):
