@@ -404,6 +404,16 @@ class Settings(_Section):
     def is_demo(self) -> bool:
         return self.target_model is None
 
+    def check_evaluable(self) -> None:
+        """Raise SettingsError naming the field when `drafter_eval` is bound to refuse, hours of training later:
+        a prompt file of one's own with no held-out prompts beside it (the demo brings its own)."""
+        if self.prompts is not None and self.eval_prompts is None:
+            raise SettingsError(
+                "eval_prompts: not set, but `prompts` is: drafter_eval serves the trained drafter on held-out prompts "
+                "and would refuse after the drafter trained; name a JSONL of prompts never used in training "
+                "(same format as `prompts`), or stop before it (python -m eagle3_assets.start --through drafter)"
+            )
+
     def check_against_target(self, *, vocab_size: int) -> None:
         """Settings that only make sense for a given target; raise SettingsError naming the field."""
         if self.draft_vocab_size > vocab_size:

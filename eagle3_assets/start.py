@@ -72,6 +72,7 @@ DRAFTER = AssetKey("drafter")
 AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval"), AssetKey("drafter_release")]
 ROLLING_POLL_S = 2.0
 THROUGH = ("hidden_states", "drafter", "drafter_eval", "drafter_release")
+EVALUATED = THROUGH[THROUGH.index("drafter_eval") :]  # a start through these runs drafter_eval
 # Assets whose blocking check is a verdict, not a fault: `drafter_release` refusing a worse drafter is a finished
 # decision (the released drafter stays), made again only when what it was made from changes.
 VERDICTS = {AssetKey("drafter_release")}
@@ -312,8 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.environ.get("DAGSTER_HOME"):
         print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
         return 2
+    whole_graph = not (args.shard or args.list_shards)
     try:
         project = Project.from_environment()
+        if args.through in EVALUATED and whole_graph:
+            project.settings.check_evaluable()  # refused now, not after the drafter trained
     except Eagle3Error as e:  # settings refused as they load: the message names the field
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -321,7 +325,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (the rolling loop asks for that) and takes no lease. The lease comes first, before anything opens
     # $DAGSTER_HOME (loading the definitions does: the code location's pool check): two commands opening a fresh
     # one at once race to create its tables, and the second must only refuse, touching nothing.
-    whole_graph = not (args.shard or args.list_shards)
     lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if whole_graph else nullcontext()
     began = time.monotonic()
     try:

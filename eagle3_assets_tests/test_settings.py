@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.settings import SettingsError, artifact_root, demo_settings, load_settings
+from eagle3_assets.settings import Settings, SettingsError, artifact_root, demo_settings, load_settings
 from eagle3_assets.target import TargetModel, TargetModelError, resolve_aux_layer_ids
 
 
@@ -131,3 +131,13 @@ def test_a_kv_cache_of_a_fraction_of_a_gib_is_refused_naming_the_field(tmp_path:
         "more (e.g. 4)"
     )
     assert load_settings(write_config(tmp_path, "vllm: {cpu_kv_cache_gib: 4.0}\n")).vllm.cpu_kv_cache_gib == 4
+
+
+def test_a_prompt_file_without_held_out_prompts_cannot_be_evaluated_and_the_start_command_knows_when_that_matters():
+    from eagle3_assets.start import EVALUATED
+
+    with pytest.raises(SettingsError, match=r"^eval_prompts: not set, but `prompts` is: drafter_eval serves"):
+        Settings(prompts="/data/prompts.jsonl").check_evaluable()
+    Settings(prompts="/data/prompts.jsonl", eval_prompts="/data/heldout.jsonl").check_evaluable()
+    Settings().check_evaluable()  # the demo brings its own held-out prompts
+    assert EVALUATED == ("drafter_eval", "drafter_release")  # --through hidden_states or drafter is not refused

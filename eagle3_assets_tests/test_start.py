@@ -139,3 +139,23 @@ def test_settings_refused_at_load_are_one_error_line_and_exit_2(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.endswith(f"error: invalid settings in {config}:\n  shard_size: Input should be greater than or equal to 1\n")
+
+
+def test_a_prompt_file_without_held_out_prompts_is_refused_before_anything_runs(tmp_path):
+    """drafter_eval refuses without held-out prompts; the command that would reach it refuses at once, not after
+    training (issue 44, item 8). `--through drafter` and earlier stop before it, and are not refused for it."""
+    config = tmp_path / "eagle3.yaml"
+    config.write_text(f"prompts: {tmp_path / 'prompts.jsonl'}\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_CONFIG": str(config), "EAGLE3_ROOT": str(tmp_path / "r")}
+    cmd = [sys.executable, "-m", "eagle3_assets.start"]
+    for through in ([], ["--through", "drafter_eval"]):
+        done = subprocess.run(cmd + through, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        assert done.stderr.endswith(
+            "error: eval_prompts: not set, but `prompts` is: drafter_eval serves the trained drafter on held-out "
+            "prompts and would refuse after the drafter trained; name a JSONL of prompts never used in training (same "
+            "format as `prompts`), or stop before it (python -m eagle3_assets.start --through drafter)\n"
+        )
+    assert list(home.iterdir()) == [] and not (tmp_path / "r").exists()  # nothing opened, nothing written
