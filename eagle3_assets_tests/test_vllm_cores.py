@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from eagle3_assets.errors import Refusal
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.target import TargetModel
+from eagle3_assets.vllm_server import cores
 from eagle3_assets.vllm_server.client import http_json
-from eagle3_assets.vllm_server.cores import BIND_ENV, CORES_ENV, CoreClaim, claim_cores, engine_claim, pin_to_claim
+from eagle3_assets.vllm_server.cores import BIND_ENV, CORES_ENV, claim_cores, engine_claim, pin_to_claim
 from eagle3_assets.vllm_server.server import VllmServer
 
 from .helpers import small_kv_cache, vllm_test_settings
@@ -157,8 +158,11 @@ def group_affinities(server: VllmServer) -> set[tuple[int, ...]]:
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
 @two_cores
-def test_two_cpu_servers_started_at_once_each_get_cores_and_both_make_progress(tiny_target_dir):
+def test_two_cpu_servers_started_at_once_each_get_cores_and_both_make_progress(tiny_target_dir, tmp_path, monkeypatch):
     pytest.importorskip("vllm")
+    # A registry of their own: under `make test` the other worker's engines claim cores in the host's registry
+    # (and rightly share them with these), while this test is about two servers claiming between themselves.
+    monkeypatch.setattr(cores, "REGISTRY", tmp_path / "registry")
     target = TargetModel.read(tiny_target_dir, aux_layer_ids=[1, 2, 3])
     with small_kv_cache(), ThreadPoolExecutor(2) as pool:
         # Started at once, as a phase's two servers or two `--serve` commands on one host would be.

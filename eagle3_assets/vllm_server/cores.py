@@ -76,8 +76,10 @@ def pin_to_claim() -> None:
         os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
 
 
-def claim_cores(wanted: int | None, *, registry: Path = REGISTRY) -> CoreClaim:
-    """Claim `wanted` cores (None: every free core but one, at least one) for an engine about to start."""
+def claim_cores(wanted: int | None, *, registry: Path | None = None) -> CoreClaim:
+    """Claim `wanted` cores (None: every free core but one, at least one) for an engine about to start, in
+    `registry` (default REGISTRY, read at each call)."""
+    registry = registry or REGISTRY
     allowed = sorted(os.sched_getaffinity(0))
     if wanted is not None and wanted > len(allowed):
         raise Refusal(
@@ -103,7 +105,7 @@ def claim_cores(wanted: int | None, *, registry: Path = REGISTRY) -> CoreClaim:
 
 
 def engine_claim(
-    wanted: int | None, *, environ: Mapping[str, str] = os.environ, registry: Path = REGISTRY
+    wanted: int | None, *, environ: Mapping[str, str] = os.environ, registry: Path | None = None
 ) -> CoreClaim | None:
     """The claim for an engine about to start with `environ`; None when it binds already or vLLM is not the CPU build."""
     if environ.get(BIND_ENV) or not cpu_build():
