@@ -95,10 +95,10 @@ SIZES = {
     # gain 1.22-1.23 / 1.28-1.29; held-out rows acc_0 0.926-0.930, eval answers 0.775-0.787 (untrained 0.001);
     # fact / template eval tokens 226 / 148.
     "full": DemoSize(),
-    # 1,200 prompts (three shards), a target trained 600 steps, 8 epochs of the drafter (~150 steps), 64 tokens
-    # decoded per eval prompt. Measured (2 loaded cores, the start command alone, target built on 2 threads): k=3
-    # 2.030, k=7 2.307; feature gain 1.445 / 1.598; held-out rows acc_0 0.667, eval answers 0.636; fact / template
-    # eval tokens 161 / 148, 29 answers off the reference; ~15 min of the loaded machine's time, the target 9.
+    # 1,200 prompts (three shards), a target trained 600 steps, 8 epochs of the drafter (136 steps), 64 tokens
+    # decoded per eval prompt. Measured, the same in `make test` (fresh clone, the fixture 211 s) and alone (target
+    # on 2 threads): k=3 2.030, k=7 2.307; feature gain 1.445 / 1.598; held-out rows acc_0 0.667, eval answers
+    # 0.636 (an untrained drafter: ~0.001); fact / template eval tokens 161 / 148, 29 answers off the reference.
     "small": DemoSize(
         overrides={
             "demo": {"num_prompts": 1200, "train_steps": 600},
