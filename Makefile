@@ -55,7 +55,7 @@ bench: install
 
 # The full-size demo (exactly what `make demo` builds, killed once and resumed) held to the
 # quality bars of BENCHMARKS.md, with the off-by-one and topic-drift drafters; `make test` runs
-# the same module on a small demo. About 20-30 minutes on 2 cores.
+# the same module on a small demo. 14 minutes on 2 quiet cores (2026-12-04).
 bench-demo: install
 	EAGLE3_DEMO_SIZE=full $(BIN)/python -m pytest -q --durations=10 eagle3_assets_tests/test_demo_quality.py
 
