@@ -36,6 +36,7 @@ from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.crash_points import CRASH_ENV
+from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK
 from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
@@ -217,9 +218,9 @@ def test_the_first_drafter_that_passes_the_gate_is_released_with_the_figures_it_
     assert (record["acceptance"], record["replaced"]) == (served, None)
     assert record["export_sha256"] == report["export_sha256"] == export_digest(project.store)
     assert record["reason"].startswith("first release: k=3 ")
-    event = instance.get_latest_materialization_event(AssetKey("drafter_release")).asset_materialization
+    event = instance.get_latest_materialization_event(DRAFTER_RELEASE).asset_materialization
     assert event.metadata["promoted"].value is True
-    gate = AssetCheckKey(AssetKey("drafter_release"), "no_regression")
+    gate = AssetCheckKey(DRAFTER_RELEASE, RELEASE_CHECK)
     assert instance.event_log_storage.get_latest_asset_check_execution_by_key([gate])[gate].status.value == "SUCCEEDED"
 
 
