@@ -24,32 +24,33 @@ from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
 from eagle3_assets.defs.ops.sensors import dead_runs_sensor, run_failure_alert_sensor, shard_stall_sensor
-from eagle3_assets.defs.provenance import root_condition, with_provenance
+from eagle3_assets.defs.provenance import StartDoor, root_condition, with_provenance
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.assets import hidden_states_asset
-from eagle3_assets.defs.shards.automation import rolling_shard_backfill_condition, shard_backfill_condition
+from eagle3_assets.defs.shards.automation import shard_backfill_condition
 from eagle3_assets.project import Project
 
 
-def build_definitions(project: Project) -> Definitions:
+def build_definitions(project: Project, door: StartDoor | None = None) -> Definitions:
+    """The code location's definitions; with `door`, the start command's (its conditions make what is missing)."""
     settings = project.settings
     rolling = settings.training.mode == "rolling"
     cron = settings.extraction.backfill_cron
     hidden_states = hidden_states_asset(settings.extraction).with_attributes(
-        automation_condition=rolling_shard_backfill_condition(cron, project) if rolling else shard_backfill_condition(cron, project)
+        automation_condition=shard_backfill_condition(cron, project, door)
     )
     # Everything after the roots follows its inputs under the daemon's `pipeline` sensor.
     followers = [
-        a.with_attributes(automation_condition=data_condition(project))
+        a.with_attributes(automation_condition=data_condition(project, door))
         for a in (data.responses, data.tokenized, data.token_freq, data.vocab_map)
     ] + [
-        drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(project)),
-        drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition(project)),
-        drafter.drafter_release.with_attributes(automation_condition=drafter_release_condition(project)),
+        drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(project, door)),
+        drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition(project, door)),
+        drafter.drafter_release.with_attributes(automation_condition=drafter_release_condition(project, door)),
     ]
     # A changed setting is a new code version of the assets that read it: the UI shows them stale.
     # The roots are made again when what they read changed (a new prompt file, another target).
-    roots = [a.with_attributes(automation_condition=root_condition(project)) for a in (data.prompts, data.target_model)]
+    roots = [a.with_attributes(automation_condition=root_condition(project, door)) for a in (data.prompts, data.target_model)]
     assets = [a.map_asset_specs(lambda spec: with_provenance(spec, project)) for a in (*roots, hidden_states, *followers)]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
     jobs = [shard_checks.verify_shards]

@@ -18,6 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+# How long a process group is given after SIGTERM before SIGKILL: a vLLM engine freeing its device, torchrun
+# forwarding the signal to its ranks and their checkpoint-free exit, the Dagster webserver and daemon.
+STOP_GRACE_S = 30.0
+
 # Loaded here, not in the forked child: a child of a threaded parent must not import or load anything.
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1

@@ -1,27 +1,27 @@
 """`python -m eagle3_assets.start` (`make run`): the whole graph from one command, without the daemon.
 
-Phase after phase, each run recorded in $DAGSTER_HOME as if launched from the UI: the data
-assets (prompts … vocab_map) in one run, then every registered shard in a run of its own (its
-own retries, its own `gpu` slot), then `drafter`, then `drafter_eval` and `drafter_release`. In rolling mode
-(`training.mode: rolling`) `drafter` trains while the shards are extracted, each as the
-window admits it. The same command after a
-crash or a kill resumes: runs left by a dead process are failed first (their slots freed), and
-finished work is skipped, never redone. What is due is decided by the rule the daemon's automation
-follows too (`defs/provenance.py: why_due`): an asset runs when it was never materialized or when its
-record in the store says it was made from other settings or inputs than the current ones (a changed
-setting, target, prompt file or input version: the line says which), or its blocking checks did not
-pass; a shard also when its files are incomplete or its check did not pass. Everything after an asset
-that runs runs too; unchanged settings redo nothing. `--from ASSET` forces ASSET and what follows.
+It has no schedule of its own. It ticks the automation conditions the daemon's sensors tick, over the same
+definitions (`evaluate_automation_conditions`), launches what a tick requests and ticks again until nothing more
+is requested: what is due, what waits for what, what a content-equal parent spares, are the daemon's decisions
+(docs/DESIGN.md §9). Where a person's command must do more than the daemon, its definitions carry conditions of
+their own beside the others (`defs/provenance.py: StartDoor`): what was never materialized is made (the daemon
+leaves the roots to a person), an unusable shard is extracted again at once (the daemon waits for its cron), and
+`--from ASSET` redoes ASSET and what follows. Each asset (or shard) runs at most once per command: a failure is
+reported, not retried in a loop; the same command again retries it.
 
-With a `vllm` backend and no server configured, each phase that has work shares one vLLM
-server, started when the phase starts and stopped when it ends (generation for the data
-assets, extraction for the shards): the model loads once per phase, not once per run. A
-server named in `vllm.server_url(s)` is used and left alone. `drafter_eval` loads its own
-engines (each pass serves another drafter setting).
+Each tick's assets run as one run, each shard in a run of its own (its own retries, its own `gpu` slot), every run
+recorded in $DAGSTER_HOME as if launched from the UI. In rolling mode (`training.mode: rolling`) `drafter` trains in
+a process of its own while later ticks extract each shard the window admits. The same command after a crash or a
+kill resumes: runs left by a dead process are failed first (their slots freed), and finished work is not redone.
 
-The first Ctrl-C or SIGTERM ends the run in flight and everything this command started,
-launches nothing more, and exits 128 + the signal, naming the command that resumes
-(`stopping.py`). One such command runs per store at a time (`leases.py`).
+With a `vllm` backend and no server configured, each phase that has work shares one vLLM server, started when
+the phase starts and stopped when it ends (generation for `responses`, extraction for the shards): the model
+loads once per phase, not once per run. A server named in `vllm.server_url(s)` is used and left alone.
+`drafter_eval` loads its own engines (each pass serves another drafter setting).
+
+The first Ctrl-C or SIGTERM ends the run in flight and everything this command started, launches nothing more,
+and exits 128 + the signal, naming the command that resumes (`stopping.py`). One such command runs per store at a
+time (`leases.py`).
 
     python -m eagle3_assets.start                    # start, or resume
     python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
@@ -31,6 +31,7 @@ launches nothing more, and exits 128 + the signal, naming the command that resum
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import shlex
 import subprocess
@@ -38,28 +39,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
-from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions
-from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
-from dagster._core.storage.tags import MAX_RETRIES_TAG
-from dagster._core.utils import make_new_run_id
+from dagster import AssetKey, AssetSelection, DagsterInstance, Definitions, evaluate_automation_conditions
+from dagster._core.storage.tags import MAX_RETRIES_TAG  # the run tag Dagster's run retries read; no public name
+from dagster._core.utils import make_new_run_id  # a run id known before the run, for its process tags
 
-from eagle3_assets.defs.drafter.assets import unusable_shards
+from eagle3_assets.defs.drafter.assets import DRAFTER, DRAFTER_RELEASE, drafter_eval
 from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
-from eagle3_assets.defs.provenance import Staleness, why_due
+from eagle3_assets.defs.provenance import StartDoor, Staleness, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
+from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.leases import Lease
-from eagle3_assets.processes import stop_groups, terminate_with_parent
+from eagle3_assets.processes import STOP_GRACE_S, stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
-from eagle3_assets.shard_window import Window
 from eagle3_assets.stopping import Stopped, StopSignals
 
 if TYPE_CHECKING:
@@ -68,76 +68,92 @@ if TYPE_CHECKING:
 LAUNCHED_BY = "eagle3/launched_by"
 STOPPED_BY = "eagle3/stopped_by"  # the signal that stopped the run: a person or the cluster, not a fault
 RESPONSES = AssetKey("responses")
-DRAFTER = AssetKey("drafter")
-AFTER_SHARDS = [DRAFTER, AssetKey("drafter_eval"), AssetKey("drafter_release")]
 ROLLING_POLL_S = 2.0
-THROUGH = ("hidden_states", "drafter", "drafter_eval", "drafter_release")
-EVALUATED = THROUGH[THROUGH.index("drafter_eval") :]  # a start through these runs drafter_eval
-# Assets whose blocking check is a verdict, not a fault: `drafter_release` refusing a worse drafter is a finished
-# decision (the released drafter stays), made again only when what it was made from changes.
-VERDICTS = {AssetKey("drafter_release")}
+EVALUATED = frozenset({drafter_eval.key, DRAFTER_RELEASE})  # a start through these runs drafter_eval
 START_LEASE_DIR = "start"
-TRAINER_STOP_GRACE_S = 60.0  # the trainer's own stop gives torchrun 30 s (defs/drafter/launch.py)
 
 Log = Callable[[str], None]
+Request = tuple[AssetKey, str | None]  # an asset and its partition (a shard key), None when unpartitioned
 
 
 def _say(line: str) -> None:
     print(f"[start] {line}", flush=True)
 
 
+def _label(requests: Sequence[Request]) -> str:
+    return ", ".join(k.to_user_string() + (f"[{p}]" if p else "") for k, p in requests)
+
+
+def shard_states(instance: DagsterInstance, project: Project) -> dict[str, str]:
+    """Every registered shard key, in row order, with `done` or why it must run."""
+    keys = registered_shard_keys(instance)
+    bad = unusable_shards(instance, project, keys)
+    staleness = Staleness(project)
+    return {key: why_due(instance, staleness, HIDDEN_STATES, key) or bad.get(key, "done") for key in keys}
+
+
 class GraphStart:
-    """The graph, its instance and its project; `run()` takes it as far as `through`."""
+    """The start command's definitions (`build(project, door)`), its instance and project; `run()` takes the graph
+    as far as `through`."""
 
     def __init__(
         self,
-        defs: Definitions,
         instance: DagsterInstance,
         project: Project,
         *,
-        build: Callable[[Project], Definitions] | None = None,
+        build: Callable[[Project, StartDoor], Definitions],
+        door: StartDoor | None = None,
         log: Log = _say,
         stop: StopSignals | None = None,
     ):
-        """`build` makes the definitions for a project whose settings name a phase's shared server; `stop`
+        """`build` makes the definitions, also for a project whose settings name a phase's shared server; `stop`
         says when a stop signal came (none come to one that is not installed)."""
-        self.defs, self.instance, self.project, self.build, self.log = defs, instance, project, build, log
+        self.instance, self.project, self.build, self.log = instance, project, build, log
+        self.door = door or StartDoor(since=time.time())
         self.stop = stop or StopSignals()
-        self.graph: AssetGraph = defs.resolve_asset_graph()
-        self.job = defs.resolve_implicit_global_asset_job_def()
+        self.defs = build(project, self.door)
+        self.job = self.defs.resolve_implicit_global_asset_job_def()
 
-    # --- what is finished ------------------------------------------------------------------------
+    # --- what the conditions request -------------------------------------------------------------
 
-    def _latest(self, key: AssetKey):
-        records = self.instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=1).records
-        return records[0] if records else None
+    def ticks(self, selection: AssetSelection) -> Iterator[list[Request]]:
+        """The requests of each tick of the automation conditions over `selection`, in graph order."""
+        order = self.defs.resolve_asset_graph().toposorted_asset_keys
+        cursor = None
+        while True:
+            result = evaluate_automation_conditions(
+                self.defs, self.instance, asset_selection=selection,
+                evaluation_time=datetime.datetime.now(datetime.UTC), cursor=cursor,
+            )  # fmt: skip
+            cursor = result.cursor
+            yield [(k, p) for k in order for p in sorted(result.get_requested_partitions(k), key=str)]
 
-    def unfinished(self, key: AssetKey, staleness: Staleness | None = None) -> str | None:
-        """Why an unpartitioned asset must run; None when it is finished."""
-        if why := why_due(self.instance, staleness or Staleness(self.project), key):
+    def why(self, request: Request, staleness: Staleness) -> str:
+        key, partition = request
+        if key in self.door.redo:
+            return "redo asked (--from)"
+        if why := why_due(self.instance, staleness, key, partition):
             return why
-        latest = self._latest(key)
-        if key in VERDICTS:
-            return None
-        checks = [c for c in self.graph.get(key).check_keys if self.graph.get(c).blocking]
-        executions = self.instance.event_log_storage.get_latest_asset_check_execution_by_key(checks)
-        for check in checks:
-            record = executions.get(check)
-            if record is None or record.run_id != latest.run_id or record.status.value != "SUCCEEDED":
-                return f"its check {check.name} has not passed on its latest materialization"
-        return None
+        if key == HIDDEN_STATES:
+            return unusable_shards(self.instance, self.project, [partition]).get(partition, "requested")
+        return "requested"
 
-    def shard_states(self) -> dict[str, str]:
-        """Every registered shard key, in row order, with `done` or why it must run."""
-        keys = registered_shard_keys(self.instance)
-        bad = unusable_shards(self.instance, self.project, keys)
-        staleness = Staleness(self.project)
-        return {key: why_due(self.instance, staleness, HIDDEN_STATES, key) or bad.get(key, "done") for key in keys}
+    def left(self, selection: AssetSelection) -> list[str]:
+        """What in `selection` is not made as the settings would make it now, each with why."""
+        staleness, out = Staleness(self.project), []
+        for key in self.defs.resolve_asset_graph().toposorted_asset_keys:
+            if key not in selection.resolve(self.defs.resolve_asset_graph()):
+                continue
+            if key == HIDDEN_STATES:
+                out += [f"hidden_states[{k}]: {s}" for k, s in shard_states(self.instance, self.project).items() if s != "done"]
+            elif why := why_due(self.instance, staleness, key):
+                out.append(f"{key.to_user_string()}: {why}")
+        return out
 
     # --- running ---------------------------------------------------------------------------------
 
     def launch(self, keys: list[AssetKey], partition: str | None = None) -> bool:
-        label = ",".join(k.to_user_string() for k in keys) + (f"[{partition}]" if partition else "")
+        label = _label([(k, partition) for k in keys]) if partition else ",".join(k.to_user_string() for k in keys)
         started = time.monotonic()
         self.log(f"{label}: starting")
         # execute_in_process does not use the job's executor: the run names its process itself,
@@ -164,10 +180,10 @@ class GraphStart:
     @contextmanager
     def engine(self, role: Role) -> Iterator[None]:
         """The phase's runs share one vLLM server, started here and stopped when the phase ends; nothing
-        when the phase's backend is not vllm, a server is configured, or no `build` was given."""
+        when the phase's backend is not vllm or a server is configured."""
         settings = self.project.settings
         backend = settings.generation.backend if role == "generate" else settings.extraction.backend
-        if backend != "vllm" or settings.vllm.extraction_urls or self.build is None:
+        if backend != "vllm" or settings.vllm.extraction_urls:
             yield
             return
         from eagle3_assets.vllm_server.server import VllmServer
@@ -180,113 +196,118 @@ class GraphStart:
         ) as server:
             self.log(f"vLLM ({role}): ready at {server.url}; every run of this phase uses it")
             shared = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"server_url": server.url})})
-            self.job = self.build(Project(shared, self.project.store)).resolve_implicit_global_asset_job_def()
+            self.job = self.build(Project(shared, self.project.store), self.door).resolve_implicit_global_asset_job_def()
             try:
                 yield
             finally:
                 self.job = job
         self.log(f"vLLM ({role}): stopped")
 
-    def _todo(self, keys: list[AssetKey], redo: set[AssetKey]) -> list[AssetKey]:
-        """`keys` (in graph order) that must run: unfinished or forced, or after one that runs."""
-        todo: list[AssetKey] = []
-        staleness = Staleness(self.project)
-        for key in keys:
-            parents_run = self.graph.get(key).parent_keys & set(todo)
-            why = "redo asked (--from)" if key in redo else (
-                f"{parents_run.pop().to_user_string()} runs first" if parents_run else self.unfinished(key, staleness)
-            )  # fmt: skip
-            self.log(f"{key.to_user_string()}: " + (f"to run ({why})" if why else "finished, skipped"))
-            if why:
-                todo.append(key)
-        return todo
-
-    def run(self, *, through: str = "drafter_release", redo_from: AssetKey | None = None) -> bool:
-        """Data assets, then each unfinished shard, then the drafter and its evaluation; False at the first failure."""
+    def run(self, *, through: AssetKey = DRAFTER_RELEASE) -> bool:
+        """Tick, launch what is requested, tick again, until nothing more is; False when a run failed or something
+        in the graph up to `through` is left unmade (each is named)."""
         self.log(f"{len(sweep_dead_runs(self.instance))} run(s) of dead processes failed and their slots freed")
-        order = self.graph.toposorted_asset_keys
-        redo = set() if redo_from is None else AssetSelection.assets(redo_from).downstream().resolve(self.graph)
-        data = [k for k in order if k != HIDDEN_STATES and k not in AFTER_SHARDS]
-        todo = self._todo(data, redo)
-        if todo:
-            with self.engine("generate") if RESPONSES in todo else nullcontext():
-                if not self.launch(todo):
-                    return False
-        if self.project.settings.training.mode == "rolling" and through != "hidden_states":
-            return self._run_rolling(AFTER_SHARDS[: AFTER_SHARDS.index(AssetKey(through)) + 1], redo)
-        states = self.shard_states()
-        shards = [k for k, state in states.items() if state != "done" or HIDDEN_STATES in redo]
-        self.log(f"{len(states)} shards registered, {len(states) - len(shards)} finished, {len(shards)} to run")
-        with self.engine("extract") if shards else nullcontext():
-            failed = [key for key in shards if not self.launch([HIDDEN_STATES], key)]
-        if failed:
-            self.log(f"shards failed: {', '.join(failed)}; run the same command again to resume them")
-            return False
-        if through == "hidden_states":
-            return True
-        # A shard that ran made what its record says: the drafter runs when that changed what it trains on.
-        todo = self._todo(AFTER_SHARDS[: AFTER_SHARDS.index(AssetKey(through)) + 1], redo)
-        return not todo or self.launch(todo)
-
-    def _run_rolling(self, after: list[AssetKey], redo: set[AssetKey]) -> bool:
-        """Rolling mode: `drafter` trains in a process of its own while this one extracts each shard the window
-        admits (README, "Training past the disk"); then `drafter_eval`."""
-        todo = self._todo(after, redo)
-        if DRAFTER not in todo:
-            return not todo or self.launch(todo)
-        training = self.project.settings.training
-        tried: set[str] = set()
-        with (
-            self.engine("extract"),
-            tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp,
-            self._process(DRAFTER, Path(tmp)) as trainer,
-        ):
-            started = time.monotonic()
-            while trainer.poll() is None:
-                window = Window.read(self.project.store, registered_shard_keys(self.instance), training.window_shards)
-                states = self.shard_states()
-                # One run per shard and command (its own retries within): a refusal is never launched again.
-                todo_shards = [k for k in window.admitted() if states[k] != "done" and k not in tried]
-                if not todo_shards:
+        # Nothing after `through` runs: `--through hidden_states` is the whole data build, vocab map included.
+        selection = AssetSelection.all() - AssetSelection.assets(through).downstream(include_self=False)
+        rolling = self.project.settings.training.mode == "rolling"
+        tried: set[Request] = set()
+        failed: list[str] = []
+        with ExitStack() as stack:
+            phase = stack.enter_context(self._phases())
+            trainer = None
+            for requests in self.ticks(selection):
+                self.stop.check()
+                new = [r for r in requests if r not in tried]
+                if trainer is not None and trainer.poll() is not None:
+                    ok = trainer.returncode == 0
+                    self.log(f"drafter: {'ok' if ok else 'FAILED'} in its own process")
+                    failed += [] if ok else ["drafter"]
+                    trainer = None
+                if not new:
+                    if trainer is None:
+                        break
                     time.sleep(ROLLING_POLL_S)
                     continue
-                key = todo_shards[0]
-                tried.add(key)
-                if not self.launch([HIDDEN_STATES], key):
-                    self.log(
-                        f"{key} failed; the drafter waits for it up to training.shard_wait_s="
-                        f"{training.shard_wait_s:g}s. Repair it from another shell (`python -m eagle3_assets.start "
-                        f"--shard {key}`), or stop this command: running it again resumes"
-                    )
-        ok = trainer.returncode == 0
-        self.log(f"drafter: {'ok' if ok else 'FAILED'} in {time.monotonic() - started:.1f}s")
-        return ok and (len(after) == 1 or self.launch(after[1:]))
+                tried |= set(new)
+                staleness = Staleness(self.project)
+                for request in new:
+                    self.log(f"{_label([request])}: to run ({self.why(request, staleness)})")
+                assets = [k for k, p in new if p is None and not (rolling and k == DRAFTER)]
+                if assets:
+                    phase("generate" if RESPONSES in assets else "extract" if trainer is not None else None)
+                    if not self.launch(assets):
+                        failed.append(",".join(k.to_user_string() for k in assets))
+                if rolling and (DRAFTER, None) in new:
+                    trainer = stack.enter_context(self._process(DRAFTER))
+                shards = [p for k, p in new if k == HIDDEN_STATES]
+                if shards:
+                    phase("extract")
+                for key in shards:
+                    if not self.launch([HIDDEN_STATES], key):
+                        failed.append(f"hidden_states[{key}]")
+                        if trainer is not None:
+                            self._waits_for(key)
+        if failed:
+            self.log(f"failed: {', '.join(failed)}; run the same command again to resume them")
+            return False
+        if left := self.left(selection):
+            self.log("not made, each waiting on an input not current or not checked sound: " + "; ".join(left))
+            return False
+        return True
+
+    def _waits_for(self, key: str) -> None:
+        wait = self.project.settings.training.shard_wait_s
+        self.log(
+            f"{key} failed; the drafter waits for it up to training.shard_wait_s={wait:g}s. Repair it from another "
+            f"shell (`python -m eagle3_assets.start --shard {key}`), or stop this command: running it again resumes"
+        )
 
     @contextmanager
-    def _process(self, key: AssetKey, tmp: Path) -> Iterator[subprocess.Popen]:
+    def _phases(self) -> Iterator[Callable[[Role | None], None]]:
+        """`phase(role)`: the vLLM server of `role` from now on (the one before stopped), none for None."""
+        held: list[tuple[Role | None, ExitStack]] = [(None, ExitStack())]
+
+        def phase(role: Role | None) -> None:
+            if held[0][0] == role:
+                return
+            held[0][1].close()
+            stack = ExitStack()
+            held[0] = (role, stack)
+            if role is not None:
+                stack.enter_context(self.engine(role))
+
+        try:
+            yield phase
+        finally:
+            held[0][1].close()
+
+    @contextmanager
+    def _process(self, key: AssetKey) -> Iterator[subprocess.Popen]:
         """`key` materialized by `dagster asset materialize` in a process of its own, into this instance. Not a
         thread: two runs executing in one process at once can deadlock Dagster's compute-log capture. The
         process gets SIGTERM if this one dies, so a killed command leaves no trainer beside the next one's;
         in a session of its own, it is stopped here (SIGTERM, then SIGKILL to its group) when the block is
         left before it ended: a stop signal, an error."""
-        config = tmp / "settings.yaml"
-        config.write_text(yaml.safe_dump(self.project.settings.model_dump(mode="json")))
-        env = {
-            **os.environ, CONFIG_ENV: str(config), ROOT_ENV: self.project.store.url,
-            "DAGSTER_HOME": self.instance.root_directory,
-        }  # fmt: skip
-        cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
-               "--select", key.to_user_string()]  # fmt: skip
-        self.log(f"{key.to_user_string()}: starting, in its own process")
-        process = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent, start_new_session=True
-        )  # fmt: skip
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                self.log(f"{key.to_user_string()}: stopping its process")
-                stop_groups([process], TRAINER_STOP_GRACE_S)
+        with tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp:
+            config = Path(tmp) / "settings.yaml"
+            config.write_text(yaml.safe_dump(self.project.settings.model_dump(mode="json")))
+            env = {
+                **os.environ, CONFIG_ENV: str(config), ROOT_ENV: self.project.store.url,
+                "DAGSTER_HOME": self.instance.root_directory,
+            }  # fmt: skip
+            cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
+                   "--select", key.to_user_string()]  # fmt: skip
+            self.log(f"{key.to_user_string()}: starting, in its own process")
+            process = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent, start_new_session=True
+            )  # fmt: skip
+            try:
+                yield process
+            finally:
+                if process.poll() is None:
+                    self.log(f"{key.to_user_string()}: stopping its process")
+                    # the trainer's own stop gives torchrun its grace (defs/drafter/launch.py); this one waits that, and more
+                    stop_groups([process], 2 * STOP_GRACE_S)
 
     def run_shards(self, keys: Sequence[str]) -> bool:
         require_shard_keys(self.instance, list(keys))
@@ -302,7 +323,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--list-shards", action="store_true", help="print every shard key and its state, then exit")
     parser.add_argument("--shard", action="append", default=[], metavar="KEY", help="(re)extract only this shard")
-    parser.add_argument("--through", choices=THROUGH, default="drafter_release", help="stop after this asset")
+    parser.add_argument("--through", default=DRAFTER_RELEASE.to_user_string(), metavar="ASSET", help="stop after this asset")
     parser.add_argument("--from", dest="redo_from", metavar="ASSET", help="redo ASSET and everything after it")
     return parser
 
@@ -316,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     whole_graph = not (args.shard or args.list_shards)
     try:
         project = Project.from_environment()
-        if args.through in EVALUATED and whole_graph:
+        if AssetKey(args.through) in EVALUATED and whole_graph:
             project.settings.check_evaluable()  # refused now, not after the drafter trained
     except Eagle3Error as e:  # settings refused as they load: the message names the field
         print(f"error: {e}", file=sys.stderr)
@@ -334,19 +355,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Eagle3Error as e:  # refused as the definitions load (a setting checked against the target)
                 print(f"error: {e}", file=sys.stderr)
                 return 2
-            keys = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
-            if args.redo_from is not None and args.redo_from not in keys:
-                print(f"--from {args.redo_from}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
-                return 2
+            graph = defs.resolve_asset_graph()
+            keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+            for flag, name in (("--from", args.redo_from), ("--through", args.through)):
+                if name is not None and name not in keys:
+                    print(f"{flag} {name}: no such asset; the assets are: {', '.join(sorted(keys))}", file=sys.stderr)
+                    return 2
+            redo = frozenset() if args.redo_from is None else AssetSelection.assets(args.redo_from).downstream().resolve(graph)
+            door = StartDoor(redo=frozenset(redo), since=time.time())
             with DagsterInstance.get() as instance, StopSignals().installed() as stop:
-                start = GraphStart(defs, instance, defs.resources["project"], build=build_definitions, stop=stop)
+                start = GraphStart(instance, defs.resources["project"], build=build_definitions, door=door, stop=stop)
                 if args.list_shards:
-                    for key, state in start.shard_states().items():
+                    for key, state in shard_states(instance, start.project).items():
                         print(f"{key}\t{state}")
                     return 0
-                ok = start.run_shards(args.shard) if args.shard else start.run(
-                    through=args.through, redo_from=AssetKey.from_user_string(args.redo_from) if args.redo_from else None
-                )  # fmt: skip
+                ok = start.run_shards(args.shard) if args.shard else start.run(through=AssetKey(args.through))
     except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UnknownShardKey) else 1

@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_assets.errors import Eagle3Error
-from eagle3_assets.processes import stop_groups
+from eagle3_assets.processes import STOP_GRACE_S, stop_groups
 
 HOST_ENV = "EAGLE3_UI_HOST"
 PORT_ENV = "EAGLE3_UI_PORT"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 3000
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STOP_GRACE_S = 20.0
 
 
 class UiError(Eagle3Error, RuntimeError):

@@ -199,7 +199,6 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_and
 
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):
-    from eagle3_assets.defs.shards.automation import rolling_shard_backfill_condition
     from eagle3_assets.shard_window import record_consumed
 
     project = project_at(tmp_path, training=TrainingSettings(mode="rolling", window_shards=2))
@@ -207,7 +206,7 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
 
     @asset(
         name="hidden_states", partitions_def=shards, deps=[tokenized],
-        automation_condition=rolling_shard_backfill_condition("*/15 * * * *", project),
+        automation_condition=shard_backfill_condition("*/15 * * * *", project),
     )  # fmt: skip
     def rolling() -> None:
         return None

@@ -164,8 +164,10 @@ def demo(tmp_path_factory):
     # ... the same command finishes the graph, redoing nothing that was finished.
     resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "[start] vocab_map: finished, skipped" in resumed.stdout
-    assert f"[start] {SIZE.shards} shards registered, 1 finished, {SIZE.shards - 1} to run" in resumed.stdout
+    runs = [line.removeprefix("[start] ") for line in resumed.stdout.splitlines() if line.endswith(": starting")]
+    shards = [line for line in runs if line.startswith("hidden_states[")]
+    assert len(shards) == SIZE.shards - 1 and "hidden_states[rows_0-400]: starting" not in shards, runs
+    assert not {"prompts,target_model: starting", "responses: starting", "tokenized: starting"} & set(runs), runs
     log = resumed.stdout + resumed.stderr
     # drafter_eval reports each of its five vLLM passes as it finishes, not all at the end.
     assert [p for p in range(1, 6) if f"drafter_eval: pass {p}/5 (" in log] == [1, 2, 3, 4, 5]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from dagster import AssetKey, Definitions, evaluate_automation_conditions
+from dagster import AssetKey, AssetSelection, Definitions, evaluate_automation_conditions
 
 from eagle3_assets.project import Project
 from eagle3_assets.settings import GenerationSettings, TrainingSettings
@@ -51,82 +51,99 @@ def made_graph(tmp_path_factory, tiny_target_dir) -> Callable[[], Graph]:
     return fresh
 
 
-def ran(out: str) -> list[str]:
-    """The assets and shards a start command ran, in order."""
-    return [line.removesuffix(": starting") for line in started(out) if line.endswith(": starting")]
+def requested(out: str) -> list[str]:
+    """What a start command's ticks requested, in order."""
+    return [line.split(": to run (")[0] for line in started(out) if ": to run (" in line]
 
 
-def test_a_changed_setting_or_input_redoes_exactly_what_it_made_and_keeps_the_rest(made_graph):
-    """Each change through the one command: what runs, what it regenerates, what it keeps."""
+SHARDS = ["hidden_states[rows_0-20]", "hidden_states[rows_20-40]"]
+DATA = ["responses", "tokenized", *SHARDS, "token_freq", "vocab_map", "drafter"]
+TUNED = dict(draft_vocab_size=32, generation=GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16))
+LR = dict(training=tiny_settings().training.model_copy(update={"lr": 3e-4}))
+# Each change, made after the ones above it: the settings then, whether five prompts are appended to the prompt file,
+# and what the conditions request, in order (the start command and the daemon alike).
+CHANGES = [
+    ("nothing", {}, False, []),
+    ("draft_vocab_size", dict(draft_vocab_size=32), False, ["vocab_map", "drafter"]),
+    ("training.lr", dict(draft_vocab_size=32, **LR), False, ["drafter"]),
+    ("generation.max_new_tokens", dict(TUNED, **LR), False, DATA),
+    ("five prompts appended", dict(TUNED, **LR), True,
+     ["prompts", "responses", "tokenized", "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter"]),
+    ("another target", dict(TUNED, **LR, demo=TINY_DEMO.model_copy(update={"seed": 1})), False,
+     ["target_model", "responses", "tokenized", *SHARDS, "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("door", ["start", "daemon"])
+def test_each_change_redoes_exactly_what_it_made_stale_through_either_door(made_graph, door):
+    """One table of changes, one policy: the start command ticks the daemon's own conditions (issue 42), so both
+    request the same assets in the same order. A content-equal parent stops the cascade under both."""
     from eagle3_assets.responses import PARTS_DIR
 
     op, prompts, base, train, first_output = made_graph()
     store = op.project.store
-
-    def run_with(**changes) -> tuple[list[str], str]:
-        settings = tiny_settings(**{**base, **changes})
-        Path(op.env["EAGLE3_CONFIG"]).write_text(settings.model_dump_json())
-        done = op.start("--through", "drafter")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return ran(done.stdout), done.stdout + done.stderr
+    assert requested(first_output) == [
+        "prompts", "target_model", "responses", "tokenized", *SHARDS, "token_freq", "vocab_map", "drafter",
+    ]  # fmt: skip
 
     def sample_mtimes() -> dict[str, float]:
         root = op.root / "hidden_states"
         return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.glob("rows_*/*.safetensors")}
-
-    assert ran(first_output) == ["prompts,target_model,responses,tokenized,token_freq,vocab_map", "hidden_states[rows_0-20]",
-                     "hidden_states[rows_20-40]", "drafter"]  # fmt: skip
-    files = sample_mtimes()
 
     def responses_made() -> tuple[int, int]:
         with op.instance() as instance:
             meta = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization.metadata
             return meta["rows_generated"].value, meta["rows_reused"].value
 
-    assert run_with()[0] == []  # nothing changed: nothing runs
+    def through_start(settings) -> tuple[list[str], str]:
+        Path(op.env["EAGLE3_CONFIG"]).write_text(settings.model_dump_json())
+        done = op.start("--through", "drafter")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return requested(done.stdout), done.stdout + done.stderr
 
-    done, log = run_with(draft_vocab_size=32)
-    assert done == ["vocab_map", "drafter"]
-    assert "vocab_map: to run (made from other inputs: setting draft_vocab_size: 64 -> 32)" in log
-    assert sample_mtimes() == files
-
-    done, log = run_with(draft_vocab_size=32, training=TrainingSettings(
-        lr=3e-4, batch_tokens=512, warmup_steps=2, epochs=1.0, checkpoint_every=5, heldout_rows=4))  # fmt: skip
-    assert done == ["drafter"]
-    assert "made from other inputs: setting training.lr: 0.0001 -> 0.0003" in log
-    assert "drafter: not resuming" in log and "settings.lr: checkpoint 0.0001, now 0.0003" in log
-    assert sample_mtimes() == files
-
-    tuned = dict(draft_vocab_size=32, generation=GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16))
-    done, log = run_with(**tuned)
-    assert done == ["responses,tokenized,token_freq,vocab_map", "hidden_states[rows_0-20]", "hidden_states[rows_20-40]",
-                    "drafter"]  # fmt: skip
-    assert "setting generation.max_new_tokens: 8 -> 6" in log
-    assert responses_made() == (40, 0)
-    files = sample_mtimes()
-
-    with prompts.open("a") as f:  # five prompts appended
-        f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
-    done, log = run_with(**tuned)
-    assert done == ["prompts,responses,tokenized,token_freq,vocab_map", "hidden_states[rows_40-45]", "drafter"]
-    assert responses_made() == (5, 40)
-    appended = sample_mtimes()
-    assert {k: v for k, v in appended.items() if not k.startswith("rows_40-45/")} == files
-
-    done, log = run_with(**tuned, demo=TINY_DEMO.model_copy(update={"seed": 1}))  # another target
-    assert done == ["target_model,responses,tokenized,token_freq,vocab_map", "hidden_states[rows_0-20]",
-                    "hidden_states[rows_20-40]", "hidden_states[rows_40-45]", "drafter"]  # fmt: skip
-    assert responses_made() == (45, 0)  # 0 of the old target's rows kept
-    again = sample_mtimes()
-    assert sorted(again) == sorted(appended) and not any(again[k] == appended[k] for k in again)  # 0 files kept
-    wiped = [line for line in log.splitlines() if "removed files made from other inputs" in line]
+    logs, files = {}, sample_mtimes()
+    with op.instance() as instance:
+        daemon = Daemon(instance, store)
+        for name, changes, append, want in CHANGES:
+            if append:
+                with prompts.open("a") as f:
+                    f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
+            settings = {**base, **changes}
+            if door == "start":
+                got, logs[name] = through_start(tiny_settings(**settings))
+            else:
+                daemon.settings(**settings)
+                got = daemon.settle()
+            assert got == want, name
+            if name == "training.lr":
+                assert sample_mtimes() == files
+            elif name == "generation.max_new_tokens":
+                assert responses_made() == (40, 0)
+                files = sample_mtimes()
+            elif name == "five prompts appended":
+                assert responses_made() == (5, 40)
+                appended = sample_mtimes()
+                assert {k: v for k, v in appended.items() if not k.startswith("rows_40-45/")} == files
+        assert responses_made() == (45, 0)  # 0 of the old target's rows kept
+        again = sample_mtimes()
+        assert sorted(again) == sorted(appended) and not any(again[k] == appended[k] for k in again)  # 0 files kept
+        parts = [json.loads(line) for name in store.listdir(PARTS_DIR) if name.startswith("part-")
+                 for line in store.read_text(f"{PARTS_DIR}/{name}").splitlines()]  # fmt: skip
+        assert len(parts) == 45 and len({r["made_by"] for r in parts}) == 45
+        if door == "daemon":
+            assert daemon.settle() == []
+            return
+    # The start command says why each ran, and what it wiped.
+    assert "vocab_map: to run (made from other inputs: setting draft_vocab_size: 64 -> 32)" in logs["draft_vocab_size"]
+    lr = logs["training.lr"]
+    assert "made from other inputs: setting training.lr: 0.0001 -> 0.0003" in lr
+    assert "drafter: not resuming" in lr and "settings.lr: checkpoint 0.0001, now 0.0003" in lr
+    assert "setting generation.max_new_tokens: 8 -> 6" in logs["generation.max_new_tokens"]
+    wiped = [line for line in logs["another target"].splitlines() if "removed files made from other inputs" in line]
     assert len(wiped) == 3 and all("input target_model: " in line for line in wiped), wiped
-    parts = [json.loads(line) for name in store.listdir(PARTS_DIR) if name.startswith("part-")
-             for line in store.read_text(f"{PARTS_DIR}/{name}").splitlines()]  # fmt: skip
-    assert len(parts) == 45 and len({r["made_by"] for r in parts}) == 45
 
 
-# --- the product's own definitions: each kind of change, under the daemon's conditions (issue 32) ---------------
+# --- the product's own definitions, ticked as the daemon's sensors tick them ------------------------------------
 
 
 class Daemon:
@@ -146,78 +163,34 @@ class Daemon:
         self.defs = build_definitions(Project(tiny_settings(**settings), self.store))
 
     def tick(self) -> dict[str, list[str]]:
+        """One tick's requests up to `drafter` (as `--through drafter`), in graph order."""
         self.clock += datetime.timedelta(minutes=1)  # no cron tick passes: the backfill's schedule stays out
-        result = evaluate_automation_conditions(self.defs, self.instance, evaluation_time=self.clock, cursor=self.cursor)
+        result = evaluate_automation_conditions(
+            self.defs, self.instance, asset_selection=AssetSelection.assets("drafter").upstream(),
+            evaluation_time=self.clock, cursor=self.cursor,
+        )  # fmt: skip
         self.cursor = result.cursor
-        requested = {}
-        for key in self.defs.resolve_all_asset_keys():
-            if result.get_num_requested(key):
-                partitions = sorted(result.get_requested_partitions(key) - {None})
-                requested[key.to_user_string()] = partitions
-        return requested
+        return {
+            key.to_user_string(): sorted(result.get_requested_partitions(key) - {None})
+            for key in self.defs.resolve_asset_graph().toposorted_asset_keys
+            if result.get_num_requested(key)
+        }
 
     def settle(self) -> list[str]:
-        """Tick and run what is requested until nothing more is: every request, in order (`drafter_eval` and
-        `drafter_release`, which serve in vLLM, are noted, not run)."""
+        """Tick and run what is requested until nothing more is: every request, in order."""
         job = self.defs.resolve_implicit_global_asset_job_def()
         seen: list[str] = []
         for _ in range(12):
             requested = self.tick()
-            runnable = {k: v for k, v in requested.items() if k not in ("drafter_eval", "drafter_release")}
-            seen += sorted([f"{k}[{p}]" for k, parts in requested.items() for p in parts] + [k for k, p in requested.items() if not p])
-            if not runnable:
+            seen += [f"{k}[{p}]" if p else k for k, parts in requested.items() for p in (parts or [None])]
+            if not requested:
                 return seen
-            unpartitioned = [AssetKey(k) for k, parts in runnable.items() if not parts]
+            unpartitioned = [AssetKey(k) for k, parts in requested.items() if not parts]
             if unpartitioned:
                 assert job.execute_in_process(instance=self.instance, asset_selection=unpartitioned).success
-            for key, parts in runnable.items():
+            for key, parts in requested.items():
                 for partition in parts:
                     assert job.execute_in_process(
                         instance=self.instance, asset_selection=[AssetKey(key)], partition_key=partition
                     ).success
         raise AssertionError(f"the sensors never settled: {seen}")
-
-
-def test_under_the_daemon_each_change_redoes_exactly_what_it_made_stale(made_graph):
-    op, prompts, base, train, _ = made_graph()
-
-    def responses_made() -> tuple[int, int]:
-        meta = instance.get_latest_materialization_event(AssetKey("responses")).asset_materialization.metadata
-        return meta["rows_generated"].value, meta["rows_reused"].value
-
-    with op.instance() as instance:
-        daemon = Daemon(instance, op.project.store)
-        daemon.settings(**base)
-        assert daemon.settle() == []  # the first look, and nothing changed: nothing runs
-        assert daemon.settle() == []
-
-        daemon.settings(**base, draft_vocab_size=32)
-        assert daemon.settle() == ["vocab_map", "drafter", "drafter_eval"]
-
-        daemon.settings(**base, draft_vocab_size=32, training=tiny_settings().training.model_copy(update={"lr": 3e-4}))
-        assert daemon.settle() == ["drafter", "drafter_eval"]
-
-        tuned = dict(base, draft_vocab_size=32, training=tiny_settings().training.model_copy(update={"lr": 3e-4}))
-        daemon.settings(**tuned, generation=GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16))
-        assert daemon.settle() == [
-            "responses", "tokenized", "hidden_states[rows_0-20]", "hidden_states[rows_20-40]", "token_freq", "vocab_map",
-            "drafter", "drafter_eval",
-        ]  # fmt: skip
-        assert responses_made() == (40, 0)
-        tuned["generation"] = GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16)
-
-        with prompts.open("a") as f:  # five prompts appended: the same settings, another prompt file
-            f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
-        assert daemon.settle() == [
-            "prompts", "responses", "tokenized", "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter",
-            "drafter_eval",
-        ]  # fmt: skip
-        assert responses_made() == (5, 40)
-
-        daemon.settings(**tuned, demo=TINY_DEMO.model_copy(update={"seed": 1}))  # another target
-        assert daemon.settle() == [
-            "target_model", "responses", "tokenized", "hidden_states[rows_0-20]", "hidden_states[rows_20-40]",
-            "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter", "drafter_eval",
-        ]  # fmt: skip
-        assert responses_made() == (45, 0)
-        assert daemon.settle() == []

@@ -140,4 +140,4 @@ def test_a_prompt_file_without_held_out_prompts_cannot_be_evaluated_and_the_star
         Settings(prompts="/data/prompts.jsonl").check_evaluable()
     Settings(prompts="/data/prompts.jsonl", eval_prompts="/data/heldout.jsonl").check_evaluable()
     Settings().check_evaluable()  # the demo brings its own held-out prompts
-    assert EVALUATED == ("drafter_eval", "drafter_release")  # --through hidden_states or drafter is not refused
+    assert {k.to_user_string() for k in EVALUATED} == {"drafter_eval", "drafter_release"}  # not --through drafter

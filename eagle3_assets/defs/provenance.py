@@ -14,6 +14,7 @@ same function as an `AutomationCondition`, evaluated in the code location.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from dagster import (
@@ -185,10 +186,14 @@ def inputs_current(project: Project, ignore: frozenset[AssetKey] = frozenset()) 
     return (~AncestorDue(project, ignore) & ~AutomationCondition.any_deps_in_progress()).with_label("every input current")
 
 
-def root_condition(project: Project) -> AutomationCondition:
+def root_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
     """A root (`prompts`, `target_model`) made from other settings or outside files (an appended prompt file, another
-    target) is made again; one never materialized is left to a person, who starts the graph."""
-    return stale(project, ~AutomationCondition.in_progress())
+    target) is made again. One never materialized is left to a person under the daemon; the start command makes it."""
+    not_running = ~AutomationCondition.in_progress()
+    condition = stale(project, not_running)
+    if door is None:
+        return condition
+    return with_redo(condition | (AutomationCondition.missing() & not_running).with_label("never materialized"), door, not_running)
 
 
 def stale(project: Project, ready: AutomationCondition) -> AutomationCondition:
@@ -203,10 +208,76 @@ def stale(project: Project, ready: AutomationCondition) -> AutomationCondition:
     ).with_label("made from other settings or inputs")
 
 
-def follows(project: Project, ready: AutomationCondition) -> AutomationCondition:
-    """Made the first time once an input is updated (Dagster's `eager`), made again when it is `stale`."""
-    first = AutomationCondition.missing() & AutomationCondition.eager() & ready
-    return first.with_label("never materialized, an input updated") | stale(project, ready)
+def follows(project: Project, ready: AutomationCondition, door: StartDoor | None = None) -> AutomationCondition:
+    """Made the first time once its inputs are (the daemon: once an input is updated, Dagster's `eager`; the start
+    command: whenever it is missing), made again when it is `stale`, and when the start command's `--from` asks."""
+    if door is None:
+        first = AutomationCondition.missing() & AutomationCondition.eager() & ready
+        return first.with_label("never materialized, an input updated") | stale(project, ready)
+    return with_redo(never_made(ready) | stale(project, ready), door, ready)
+
+
+def never_made(ready: AutomationCondition) -> AutomationCondition:
+    """The start command's: missing while every input is made and none is running, and `ready` holds."""
+    return (
+        AutomationCondition.missing()
+        & ~AutomationCondition.any_deps_missing()
+        & ~AutomationCondition.any_deps_in_progress()
+        & ~AutomationCondition.in_progress()
+        & ready
+    ).with_label("never materialized, its inputs made")
+
+
+@dataclass(frozen=True)
+class StartDoor:
+    """What the start command asks beyond the daemon's conditions (docs/DESIGN.md §9). The daemon leaves what was
+    never materialized to a person, and retries a failed shard at its cron tick; the command a person runs makes
+    what is missing and retries failed shards at once. `redo` (`--from`) is made again though current: each asset
+    (or shard) whose latest materialization is older than `since`, the command's start."""
+
+    redo: frozenset[AssetKey] = frozenset()
+    since: float = 0.0
+
+
+class RedoAsked(AutomationCondition):
+    """True for the asset partitions `--from` asks redone that were not materialized since the command started."""
+
+    def __init__(self, door: StartDoor):
+        self.door = door
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return "asked redone (--from) and not made since the command started"
+
+    @property
+    def name(self) -> str:
+        return "redo_asked"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        if context.key not in self.door.redo:
+            return AutomationResult(context, context.get_empty_subset())
+        instance, asked = context.asset_graph_view.instance, set()
+        for asset_partition in context.candidate_subset.expensively_compute_asset_partitions():
+            partition = asset_partition.partition_key
+            records = instance.fetch_materializations(
+                AssetRecordsFilter(asset_key=context.key, asset_partitions=[partition] if partition else None), limit=1
+            ).records
+            if not records or records[0].timestamp < self.door.since:
+                asked.add(asset_partition)
+        return AutomationResult(context, context.asset_graph_view.get_asset_subset_from_asset_partitions(context.key, asked))
+
+
+def with_redo(condition: AutomationCondition, door: StartDoor, ready: AutomationCondition) -> AutomationCondition:
+    """`condition`, or asked redone once every input asked redone is made again and `ready` holds."""
+    if not door.redo:
+        return condition
+    asked = RedoAsked(door)
+    again = (
+        asked & ~AutomationCondition.any_deps_match(asked) & ~AutomationCondition.any_deps_in_progress()
+        & ~AutomationCondition.in_progress() & ready
+    )  # fmt: skip
+    return condition | again.with_label("redo asked (--from)")
 
 
 STALE_BECAUSE = "eagle3/stale_because"

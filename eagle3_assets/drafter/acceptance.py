@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATE_KS = (3, 7)  # the speculative token counts `drafter_eval` serves
+SPECULATIVE_TOKENS = (3, 7)  # the speculative token counts `drafter_eval` serves, and the estimate predicts
 
 
 def chain_runs(hits: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -54,5 +54,5 @@ def expected_accept_length(runs: torch.Tensor, k: int) -> float:
 
 
 def acceptance_estimates(runs: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    """`accept_len_k3`, `accept_len_k7` (see ESTIMATE_KS) from a run histogram."""
-    return {f"{prefix}accept_len_k{k}": expected_accept_length(runs, k) for k in ESTIMATE_KS}
+    """`accept_len_k3`, `accept_len_k7` (see SPECULATIVE_TOKENS) from a run histogram."""
+    return {f"{prefix}accept_len_k{k}": expected_accept_length(runs, k) for k in SPECULATIVE_TOKENS}

@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
+from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.release import (
@@ -60,7 +61,6 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
 
 EVAL_REPORT_FILE = "drafter_eval/report.json"
-SPECULATIVE_TOKENS = (3, 7)
 REFERENCE = "reference"
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_assets.processes import stop_groups
+from eagle3_assets.processes import STOP_GRACE_S, stop_groups
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.target import TargetModel
 from eagle3_assets.vllm_server.client import (
@@ -48,7 +48,6 @@ SERVER_LOG_FILE = "server.log"
 STORAGE_SUBDIR = "hidden_states"
 # vLLM logs this once per model load (per worker: TP ranks each log it on a GPU node).
 MODEL_LOAD_MARKER = "Starting to load model"
-STOP_GRACE_S = 30.0
 # How much of a dead server's log is searched for a known cause: the CPU build logs its KV-cache error ~150
 # lines before the end (the engine's teardown follows it); a bound, because a server that ran long logs GBs.
 CAUSE_SCAN_BYTES = 4 << 20

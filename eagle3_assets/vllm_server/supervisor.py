@@ -14,9 +14,9 @@ import signal
 import subprocess
 import time
 
+from eagle3_assets.processes import STOP_GRACE_S
 from eagle3_assets.vllm_server.cores import pin_to_claim
 
-STOP_GRACE_S = 30.0
 
 
 def supervise(parent_pid: int, cmd: list[str], poll_s: float = 1.0) -> int:

@@ -3,7 +3,8 @@ made from other settings or inputs: `defs/provenance.py`), once every input is c
 blocking checks (the daemon's `pipeline` sensor evaluates this, in the code location).
 
 The roots, `prompts` and `target_model`, are never started by the daemon for being missing: a person
-starts the graph by materializing them (or with `python -m eagle3_assets.start`). Once made, they are made
+starts the graph by materializing them, or with `python -m eagle3_assets.start`, whose conditions (`door`) make
+what is missing. Once made, they are made
 again when what they read changed (`defs/provenance.py: root_condition`).
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 from dagster import AutomationCondition
 
-from eagle3_assets.defs.provenance import follows, inputs_current
+from eagle3_assets.defs.provenance import StartDoor, follows, inputs_current
 from eagle3_assets.project import Project
 
 
-def data_condition(project: Project) -> AutomationCondition:
-    return follows(project, inputs_current(project) & AutomationCondition.all_deps_blocking_checks_passed()).with_label(
+def data_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
+    ready = inputs_current(project) & AutomationCondition.all_deps_blocking_checks_passed()
+    return follows(project, ready, door).with_label(
         "due, with every input current and its blocking checks passed"
     )

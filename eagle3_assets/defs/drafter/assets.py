@@ -4,14 +4,12 @@
 import json
 
 from dagster import (
-    AssetCheckKey,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
     AssetsDefinition,
-    DagsterInstance,
     Failure,
     MaterializeResult,
     ResourceParam,
@@ -27,35 +25,17 @@ from eagle3_assets.defs.ops.runs import GPU_POOL, TRAINER_POOL
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
-from eagle3_assets.defs.shards.checks import CHECK_NAME
+from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.release import RELEASE_DIR, decide, promote, target_version
 from eagle3_assets.project import Project
-from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import TrainingSettings
 
 GROUP = "drafter"
 DRAFTER = AssetKey("drafter")
 DRAFTER_RELEASE = AssetKey("drafter_release")
 RELEASE_CHECK = "no_regression"
-SHARD_CHECK = AssetCheckKey(HIDDEN_STATES, CHECK_NAME)
-
-
-def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]) -> dict[str, str]:
-    """Shards the drafter must not train on, with the reason: incomplete, or their check did not pass."""
-    infos = instance.event_log_storage.get_asset_check_partition_info([SHARD_CHECK], partition_keys=keys)
-    status = {i.partition_key: i.latest_execution_status.value for i in infos}
-    staleness = Staleness(project)
-    bad: dict[str, str] = {}
-    for key in keys:
-        if not project.store.exists(manifest_path(key)):
-            bad[key] = "missing or incomplete (no _SUCCESS.json)"
-        elif status.get(key) != "SUCCEEDED":
-            bad[key] = f"integrity check {status.get(key, 'never run').lower().replace('_', ' ')}"
-        elif problem := staleness.problem("hidden_states", key):  # extracted from another target or other rows
-            bad[key] = problem
-    return bad
 
 
 def drafter_asset(training: TrainingSettings) -> AssetsDefinition:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dagster import AssetSelection, AutomationCondition
 
-from eagle3_assets.defs.provenance import follows, inputs_current, stale
+from eagle3_assets.defs.provenance import StartDoor, follows, inputs_current, stale, with_redo
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.project import Project
 
@@ -28,41 +28,44 @@ def _check_not_passed() -> AutomationCondition:
     return AutomationCondition.any_checks_match(~AutomationCondition.check_passed(), blocking_only=True)
 
 
-def drafter_condition(project: Project) -> AutomationCondition:
+def drafter_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
     if project.settings.training.mode == "rolling":
-        return _rolling_drafter_condition(project)
+        return _rolling_drafter_condition(project, door)
     checked = ~AutomationCondition.any_deps_match(_check_not_passed()).with_label("any_deps_blocking_checks_not_passed")
-    return follows(project, inputs_current(project) & checked).with_label(
+    return follows(project, inputs_current(project) & checked, door).with_label(
         "due, with every shard current and checked, the vocab map too"
     )
 
 
-def _rolling_drafter_condition(project: Project) -> AutomationCondition:
+def _rolling_drafter_condition(project: Project, door: StartDoor | None) -> AutomationCondition:
     one_shard_checked = AutomationCondition.any_deps_match(
         AutomationCondition.all_checks_match(AutomationCondition.check_passed(), blocking_only=True)
     ).allow(SHARDS)
     others_ready = ~AutomationCondition.any_deps_match(
         AutomationCondition.missing() | AutomationCondition.in_progress() | _check_not_passed()
     ).ignore(SHARDS)
-    # Once per absence: a failed or killed rolling run is started again when the next shard lands.
     ready = one_shard_checked.with_label("a shard materialized and passed its check") & others_ready.with_label(
         "vocab map and target ready"
     )
-    return (
-        (
-            AutomationCondition.missing()
-            & (AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()).since_last_handled()
-            & ready
-            & ~AutomationCondition.in_progress()
-        )
-        # Shards aside (they land while it trains), only once what it reads upstream is current.
-        | stale(project, ready & inputs_current(project, frozenset({HIDDEN_STATES})))
-    ).with_label("rolling: the first checked shard starts training")
+    # Once per absence: a failed or killed rolling run is started again when the next shard lands. The start
+    # command starts it whenever it is missing (some shards are missing while it trains: no `never_made`'s deps).
+    first = (
+        AutomationCondition.missing() & ready & ~AutomationCondition.in_progress()
+        if door is not None
+        else AutomationCondition.missing()
+        & (AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()).since_last_handled()
+        & ready
+        & ~AutomationCondition.in_progress()
+    )
+    # Shards aside (they land while it trains), only once what it reads upstream is current.
+    again = stale(project, ready & inputs_current(project, frozenset({HIDDEN_STATES})))
+    condition = (first | again).with_label("rolling: the first checked shard starts training")
+    return condition if door is None else with_redo(condition, door, ready)
 
 
-def drafter_eval_condition(project: Project) -> AutomationCondition:
-    return follows(project, inputs_current(project)).with_label("after each new drafter")
+def drafter_eval_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
+    return follows(project, inputs_current(project), door).with_label("after each new drafter")
 
 
-def drafter_release_condition(project: Project) -> AutomationCondition:
-    return follows(project, inputs_current(project)).with_label("after each drafter_eval")
+def drafter_release_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
+    return follows(project, inputs_current(project), door).with_label("after each drafter_eval")

@@ -36,12 +36,11 @@ from eagle3_assets.drafter.launch import (
 )
 from eagle3_assets.drafter.report import METRICS_MESSAGE
 from eagle3_assets.leases import RUN_ID_ENV
-from eagle3_assets.processes import terminate_with_parent
+from eagle3_assets.processes import STOP_GRACE_S, terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
 
 POLL_S = 2.0
-STOP_GRACE_S = 30.0  # torchrun forwards SIGTERM to its ranks; after this they are killed
 
 
 def _forward(console: Path, offset: int) -> int:

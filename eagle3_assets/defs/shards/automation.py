@@ -17,7 +17,8 @@ from __future__ import annotations
 from dagster import AutomationCondition, AutomationContext, AutomationResult
 
 from eagle3_assets.defs.partitions import registered_shard_keys
-from eagle3_assets.defs.provenance import inputs_current, stale
+from eagle3_assets.defs.provenance import StartDoor, inputs_current, stale, with_redo
+from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.project import Project
 from eagle3_assets.shard_window import Window
 
@@ -39,14 +40,31 @@ class InRollingWindow(AutomationCondition):
         return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(set(window.admitted())))
 
 
-def shard_backfill_condition(cron: str, project: Project) -> AutomationCondition:
-    return (_missing_or_failed(cron) | _newly_registered() | stale(project, inputs_current(project))).with_label(
-        f"new or stale shards at once; missing or failed shards every tick of {cron}"
-    )
+class ShardUnusable(AutomationCondition):
+    """True for the shards the drafter could not train on (`unusable_shards`): files missing or incomplete, a check
+    that did not pass, made from other inputs."""
+
+    def __init__(self, project: Project):
+        self.project = project
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return "missing, incomplete, not checked sound, or made from other inputs"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        keys = [p.partition_key for p in context.candidate_subset.expensively_compute_asset_partitions()]
+        bad = unusable_shards(context.asset_graph_view.instance, self.project, keys)
+        return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(set(bad)))
 
 
-def rolling_shard_backfill_condition(cron: str, project: Project) -> AutomationCondition:
-    triggers = _missing_or_failed(cron) | _newly_registered() | stale(project, inputs_current(project))
+def shard_backfill_condition(cron: str, project: Project, door: StartDoor | None = None) -> AutomationCondition:
+    """New or stale shards at once; missing or failed ones at each tick of `cron` (the start command: at once)."""
+    triggers = _missing_or_failed(cron, project, door) | _newly_registered() | stale(project, inputs_current(project))
+    if door is not None:
+        triggers = with_redo(triggers, door, inputs_current(project))
+    if project.settings.training.mode != "rolling":
+        return triggers.with_label(f"new or stale shards at once; missing or failed shards every tick of {cron}")
     return (triggers & InRollingWindow(project)).with_label(
         f"new or stale shards at once, missing or failed shards every tick of {cron}; within the rolling window"
     )
@@ -60,10 +78,8 @@ def _newly_registered() -> AutomationCondition:
     ).with_label("newly registered")
 
 
-def _missing_or_failed(cron: str) -> AutomationCondition:
-    return (
-        AutomationCondition.cron_tick_passed(cron)
-        & (AutomationCondition.missing() | AutomationCondition.execution_failed())
-        & ~AutomationCondition.in_progress()
-        & ~AutomationCondition.any_deps_missing()
-    )
+def _missing_or_failed(cron: str, project: Project, door: StartDoor | None) -> AutomationCondition:
+    not_running = ~AutomationCondition.in_progress() & ~AutomationCondition.any_deps_missing()
+    if door is not None:  # the start command: at once, once the rows they read are current
+        return (ShardUnusable(project) & not_running & inputs_current(project)).with_label("unusable, at once")
+    return AutomationCondition.cron_tick_passed(cron) & (AutomationCondition.missing() | AutomationCondition.execution_failed()) & not_running

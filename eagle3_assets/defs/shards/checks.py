@@ -11,9 +11,11 @@ from collections.abc import Iterator
 
 from dagster import (
     AssetCheckEvaluation,
+    AssetCheckKey,
     AssetCheckExecutionContext,
     AssetCheckResult,
     AssetCheckSeverity,
+    DagsterInstance,
     MetadataValue,
     OpExecutionContext,
     Output,
@@ -24,6 +26,7 @@ from dagster import (
 )
 
 from eagle3_assets.defs.failures import failures, refusal
+from eagle3_assets.defs.provenance import Staleness
 from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.hidden_states.integrity import ShardCheckReport, check_shards
@@ -153,3 +156,22 @@ def verify_all_shards(context: OpExecutionContext, project: ResourceParam[Projec
 @job(description="Run the shard integrity check over every shard without re-extracting anything.")
 def verify_shards() -> None:
     verify_all_shards()
+
+
+SHARD_CHECK = AssetCheckKey(HIDDEN_STATES, CHECK_NAME)
+
+
+def unusable_shards(instance: DagsterInstance, project: Project, keys: list[str]) -> dict[str, str]:
+    """Shards the drafter must not train on, with the reason: incomplete, or their check did not pass."""
+    infos = instance.event_log_storage.get_asset_check_partition_info([SHARD_CHECK], partition_keys=keys)
+    status = {i.partition_key: i.latest_execution_status.value for i in infos}
+    staleness = Staleness(project)
+    bad: dict[str, str] = {}
+    for key in keys:
+        if not project.store.exists(manifest_path(key)):
+            bad[key] = "missing or incomplete (no _SUCCESS.json)"
+        elif status.get(key) != "SUCCEEDED":
+            bad[key] = f"integrity check {status.get(key, 'never run').lower().replace('_', ' ')}"
+        elif problem := staleness.problem("hidden_states", key):  # extracted from another target or other rows
+            bad[key] = problem
+    return bad
