@@ -1,11 +1,11 @@
 """What made each artifact: a record beside it in the store, and the record the current settings would make.
 
 Every asset's artifact is tied to exactly what determines its content (docs/DESIGN.md §9):
-- the settings fields the asset reads (`SETTINGS_READ`), and nothing else;
+- the settings fields that determine its content (`artifacts.py`, each asset's `reads`), and nothing else;
 - its inputs' versions: each parent's recorded data version, and for the roots the content of
   what they read from outside (the prompt files; the target's config, tokenizer, chat template
   and a sampled digest of its weights, `target_identity`);
-- a code revision (`CODE_REVISION`), raised when a change of code changes what the asset makes.
+- a code revision (its `code` there), raised when a change of code changes what the asset makes.
 
 `Provenance.made_from` hashes those; the record beside the artifact (`_PROVENANCE.json`) keeps the
 whole provenance and the artifact's data version (a digest of its content where that is cheap,
@@ -30,62 +30,11 @@ from typing import Any
 import fsspec
 
 from eagle3_assets.errors import Eagle3Error
-from eagle3_assets.settings import Settings, TrainingSettings
+from eagle3_assets.artifacts import ARTIFACTS
+from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
 RECORD_NAME = "_PROVENANCE.json"
-
-# Raise an asset's revision when a code change alters what it makes from the same inputs: every
-# artifact it made before is then stale and redone.
-CODE_REVISION: dict[str, int] = {
-    "prompts": 1,
-    "target_model": 1,
-    "responses": 1,
-    "tokenized": 1,
-    "token_freq": 1,
-    "vocab_map": 1,
-    "hidden_states": 1,
-    "drafter": 1,
-    "drafter_eval": 1,
-    "drafter_release": 1,
-}
-
-# Where each asset's record lives (a shard's in its own directory).
-RECORD_DIRS: dict[str, str] = {
-    "prompts": "prompts",
-    "target_model": "target_model",
-    "responses": "responses",
-    "tokenized": "tokenized",
-    "token_freq": "token_freq",
-    "vocab_map": "vocab_map",
-    "hidden_states": "hidden_states",
-    "drafter": "drafter",
-    "drafter_eval": "drafter_eval",
-    "drafter_release": "drafter_release",
-}
-
-# The inputs whose recorded versions an asset's content depends on (its Dagster deps, plus `tokenized`
-# for the drafter: the shards' rows, known before every shard exists, as rolling mode needs).
-PARENTS: dict[str, tuple[str, ...]] = {
-    "prompts": (),
-    "target_model": (),
-    "responses": ("prompts", "target_model"),
-    "tokenized": ("responses",),
-    "token_freq": ("tokenized", "target_model"),
-    "vocab_map": ("token_freq",),
-    "hidden_states": ("target_model",),  # and the shard's own rows, from tokenized's record
-    "drafter": ("target_model", "tokenized", "vocab_map"),
-    "drafter_eval": ("drafter", "prompts", "target_model"),
-    "drafter_release": ("drafter_eval",),
-}
-
-# Training settings that change how a run is carried out, not what it learns or exports.
-TRAINING_HOW = ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch")
-# And those a checkpoint may still be resumed under, though the export may differ (which checkpoint is
-# exported, when evaluation and early stop look): left out of a run's fingerprint (`drafter/train.py`), not
-# out of the drafter's provenance.
-TRAINING_VOLATILE = (*TRAINING_HOW, "eval_every", "export_checkpoint", "early_stop_evals")
-
 
 class ProvenanceError(Eagle3Error, RuntimeError):
     """A provenance record or an input it needs cannot be read; the message names the file."""
@@ -113,43 +62,8 @@ def _field(settings: Settings, path: str) -> Any:
 
 
 def settings_read(asset: str, settings: Settings) -> dict[str, Any]:
-    """The settings fields that determine `asset`'s content, by dotted name; nothing else.
-
-    Left out on purpose: how work is carried out (batch sizes of the engines, backends whose output is
-    checked equal, retries, timeouts, progress intervals, servers), which never changes the artifact."""
-    fields: tuple[str, ...]
-    if asset == "prompts":
-        fields = ("demo.num_prompts", "demo.seed") if settings.prompts is None else ("prompts", "eval_prompts")
-    elif asset == "target_model":
-        fields = ("demo",) if settings.is_demo else ("target_model", "trust_remote_code")
-    elif asset == "responses":
-        fields = ("max_seq_len",) + tuple(
-            f"generation.{f}"
-            for f in ("max_new_tokens", "temperature", "top_p", "seed", "reasoning", "chat_template_kwargs")
-        )
-    elif asset == "tokenized":
-        fields = ("max_seq_len", "overlong", "unfinished_responses", "shard_size", "training.mode")
-        if settings.training.mode == "rolling":  # rolling shuffles the rows with the training seed
-            fields += ("training.seed",)
-    elif asset == "token_freq":
-        fields = ()
-    elif asset == "vocab_map":
-        fields = ("draft_vocab_size",)
-    elif asset == "hidden_states":
-        fields = ("aux_layer_ids", "extraction.storage_dtype")
-    elif asset == "drafter":
-        learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
-        fields = ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
-    elif asset == "drafter_eval":
-        fields = (
-            "evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
-            "generation.chat_template_kwargs",
-        )  # fmt: skip
-    elif asset == "drafter_release":
-        fields = ("evaluation.release_min_acceptance",)
-    else:
-        raise KeyError(asset)
-    return {f: _field(settings, f) for f in fields}
+    """The settings fields that determine `asset`'s content (`artifacts.py`), by dotted name, with their values."""
+    return {f: _field(settings, f) for f in ARTIFACTS[asset].reads(settings)}
 
 
 @dataclass(frozen=True)
@@ -208,7 +122,7 @@ class Record:
 
 
 def record_path(asset: str, partition: str | None = None) -> str:
-    base = RECORD_DIRS[asset]
+    base = ARTIFACTS[asset].record_dir
     return f"{base}/{partition}/{RECORD_NAME}" if partition else f"{base}/{RECORD_NAME}"
 
 
@@ -361,9 +275,12 @@ class Inputs:
 def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Provenance:
     """The provenance `asset` (or one shard) would have if made now from the current settings and inputs."""
     s = inputs.settings
-    versions: dict[str, str] = {p: inputs.parent(p) for p in PARENTS[asset]}
+    artifact = ARTIFACTS[asset]
+    versions: dict[str, str] = {p: inputs.parent(p) for p in artifact.parents}
     if asset == "prompts" and s.prompts is not None:
         versions["prompts file"] = inputs.outside("prompts file")
+        versions["eval prompts file"] = inputs.outside("eval prompts file")
+    elif asset == "prompts" and s.eval_prompts is not None:  # the demo's prompts, held-out ones of one's own
         versions["eval prompts file"] = inputs.outside("eval prompts file")
     elif asset == "target_model" and not s.is_demo:
         versions["target files"] = inputs.outside("target files")
@@ -371,7 +288,7 @@ def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Proven
         if partition is None:
             raise ValueError("hidden_states provenance is per shard")
         versions["rows"] = inputs.shard_rows(partition)
-    return Provenance(asset, settings_read(asset, s), versions, CODE_REVISION[asset])
+    return Provenance(asset, settings_read(asset, s), versions, artifact.code)
 
 
 def current_problem(store: ArtifactStore, want: Provenance, partition: str | None = None) -> str | None:

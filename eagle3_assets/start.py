@@ -140,15 +140,25 @@ class GraphStart:
 
     def left(self, selection: AssetSelection) -> list[str]:
         """What in `selection` is not made as the settings would make it now, each with why."""
-        staleness, out = Staleness(self.project), []
-        for key in self.defs.resolve_asset_graph().toposorted_asset_keys:
-            if key not in selection.resolve(self.defs.resolve_asset_graph()):
-                continue
+        graph, staleness, out = self.defs.resolve_asset_graph(), Staleness(self.project), []
+        for key in [k for k in graph.toposorted_asset_keys if k in selection.resolve(graph)]:
             if key == HIDDEN_STATES:
                 out += [f"hidden_states[{k}]: {s}" for k, s in shard_states(self.instance, self.project).items() if s != "done"]
             elif why := why_due(self.instance, staleness, key):
                 out.append(f"{key.to_user_string()}: {why}")
         return out
+
+    def checks_failed(self, selection: AssetSelection) -> list[str]:
+        """The blocking checks in `selection` that did not pass on their asset's latest materialization: the asset
+        is not made again for it (its children wait), as under the daemon."""
+        graph = self.defs.resolve_asset_graph()
+        checks = [c for k in selection.resolve(graph) if k != HIDDEN_STATES for c in graph.get(k).check_keys if graph.get(c).blocking]
+        executions = self.instance.event_log_storage.get_latest_asset_check_execution_by_key(checks)
+        return [
+            f"{c.asset_key.to_user_string()}: its check {c.name} {executions[c].status.value.lower()}"
+            for c in checks
+            if c in executions and executions[c].status.value != "SUCCEEDED"
+        ]
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -250,6 +260,8 @@ class GraphStart:
         if failed:
             self.log(f"failed: {', '.join(failed)}; run the same command again to resume them")
             return False
+        if failed_checks := self.checks_failed(selection):
+            self.log("not made again for its own check, what follows it waits: " + "; ".join(failed_checks))
         if left := self.left(selection):
             self.log("not made, each waiting on an input not current or not checked sound: " + "; ".join(left))
             return False

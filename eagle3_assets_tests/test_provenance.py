@@ -59,6 +59,7 @@ def requested(out: str) -> list[str]:
 SHARDS = ["hidden_states[rows_0-20]", "hidden_states[rows_20-40]"]
 DATA = ["responses", "tokenized", *SHARDS, "token_freq", "vocab_map", "drafter"]
 TUNED = dict(draft_vocab_size=32, generation=GenerationSettings(max_new_tokens=6, batch_size=16, rows_per_part=16))
+SEEDED = dict(TUNED, generation=TUNED["generation"].model_copy(update={"seed": 1}))
 LR = dict(training=tiny_settings().training.model_copy(update={"lr": 3e-4}))
 # Each change, made after the ones above it: the settings then, whether five prompts are appended to the prompt file,
 # and what the conditions request, in order (the start command and the daemon alike).
@@ -71,7 +72,28 @@ CHANGES = [
      ["prompts", "responses", "tokenized", "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter"]),
     ("another target", dict(TUNED, **LR, demo=TINY_DEMO.model_copy(update={"seed": 1})), False,
      ["target_model", "responses", "tokenized", *SHARDS, "hidden_states[rows_40-45]", "token_freq", "vocab_map", "drafter"]),
+    # Regenerated under another seed, greedy decoding makes the same text (each row stamped with what made it, so
+    # `tokenized` runs); the rows tokenize to the same ids: a content-equal `tokenized` stops the cascade.
+    ("generation.seed, greedy", dict(SEEDED, **LR, demo=TINY_DEMO.model_copy(update={"seed": 1})), False,
+     ["responses", "tokenized"]),
+    # Its own blocking check failed on its latest materialization: not made again for it; its children wait.
+    ("vocab_map's check fails", dict(SEEDED, **LR, demo=TINY_DEMO.model_copy(update={"seed": 1})), False, []),
 ]  # fmt: skip
+
+
+def fail_vocab_map_check(instance, project: Project) -> None:
+    """The vocab map's file broken in place (t2d all false) and its check run on it, as `dagster asset check` would."""
+    from dagster import define_asset_job
+
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.vocab_map import VocabMap
+
+    broken = VocabMap.load(project.store)
+    broken.t2d[:] = False
+    broken.save(project.store)
+    check = define_asset_job("check_vocab_map", selection=AssetSelection.checks_for_assets("vocab_map"))
+    defs = Definitions.merge(build_definitions(project), Definitions(jobs=[check]))
+    assert not defs.resolve_job_def("check_vocab_map").execute_in_process(instance=instance, raise_on_error=False).success
 
 
 @pytest.mark.parametrize("door", ["start", "daemon"])
@@ -109,6 +131,8 @@ def test_each_change_redoes_exactly_what_it_made_stale_through_either_door(made_
                 with prompts.open("a") as f:
                     f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
             settings = {**base, **changes}
+            if name == "vocab_map's check fails":
+                fail_vocab_map_check(instance, Project(tiny_settings(**settings), store))
             if door == "start":
                 got, logs[name] = through_start(tiny_settings(**settings))
             else:
@@ -141,6 +165,8 @@ def test_each_change_redoes_exactly_what_it_made_stale_through_either_door(made_
     assert "setting generation.max_new_tokens: 8 -> 6" in logs["generation.max_new_tokens"]
     wiped = [line for line in logs["another target"].splitlines() if "removed files made from other inputs" in line]
     assert len(wiped) == 3 and all("input target_model: " in line for line in wiped), wiped
+    assert "[start] not made again for its own check, what follows it waits: vocab_map: its check vocab_map_invariant " \
+        "failed" in logs["vocab_map's check fails"]
 
 
 # --- the product's own definitions, ticked as the daemon's sensors tick them ------------------------------------

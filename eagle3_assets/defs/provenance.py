@@ -29,9 +29,9 @@ from dagster import (
     MetadataValue,
 )
 
+from eagle3_assets.artifacts import ARTIFACTS
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import (
-    CODE_REVISION,
     Inputs,
     ProvenanceError,
     Provenance,
@@ -50,7 +50,7 @@ MADE_FROM = "eagle3/made_from"
 
 def code_version(asset: str, settings: Settings) -> str:
     """What Dagster compares to call an asset's code changed: the settings it reads and its code revision."""
-    return f"r{CODE_REVISION[asset]}-{digest(settings_read(asset, settings))}"
+    return f"r{ARTIFACTS[asset].code}-{digest(settings_read(asset, settings))}"
 
 
 def materialized(
@@ -289,7 +289,7 @@ def settings_changed(project: Project, asset: str) -> str | None:
     record = read_record(project.store, asset)
     if record is None:
         return None
-    now = Provenance(asset, settings_read(asset, project.settings), record.provenance.inputs, CODE_REVISION[asset])
+    now = Provenance(asset, settings_read(asset, project.settings), record.provenance.inputs, ARTIFACTS[asset].code)
     return "; ".join(record.provenance.changes(now)) or None
 
 

@@ -64,7 +64,7 @@ from eagle3_assets.drafter.selection import Evaluation, best_index, save_best, s
 from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
 from eagle3_assets.drafter.tensorboard import TensorBoard
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
-from eagle3_assets.provenance import TRAINING_VOLATILE
+from eagle3_assets.artifacts import TRAINING_VOLATILE
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel

@@ -1,0 +1,128 @@
+"""Every asset's artifact, declared once: what determines its content, and where its record lives.
+
+Per asset (docs/DESIGN.md §9):
+- `reads`: the settings fields (dotted names) that determine its content, and nothing else (the fields `reads`
+  itself consults to choose them, such as `prompts` being set, count too: their change changes the choice);
+- `runs_with`: the settings it also reads that only say how the work is carried out (engines, batch sizes,
+  retries, timeouts, servers, progress): left out of its provenance on purpose, so changing one redoes nothing;
+- `parents`: the inputs whose recorded versions its content depends on;
+- `deps_apart`: where `parents` and the asset's Dagster deps differ, and why;
+- `code`: a revision, raised when a code change alters what it makes from the same inputs (every artifact it made
+  before is then stale and redone);
+- `record_dir`: where its record (`_PROVENANCE.json`) lives, a shard's in its own directory below.
+
+`provenance.py` computes records from these entries and nothing else; the Dagster definitions (`defs/`) take their
+code versions from them; tests hold `parents` against the Dagster deps and `reads` + `runs_with` against what each
+asset really reads (`eagle3_assets_tests/test_artifacts.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from eagle3_assets.settings import Settings, TrainingSettings
+
+# Training settings that change how a run is carried out, not what it learns or exports.
+TRAINING_HOW = ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch")
+# And those a checkpoint may still be resumed under, though the export may differ (which checkpoint is
+# exported, when evaluation and early stop look): left out of a run's fingerprint (`drafter/train.py`), not
+# out of the drafter's provenance.
+TRAINING_VOLATILE = (*TRAINING_HOW, "eval_every", "export_checkpoint", "early_stop_evals")
+# How any engine is served: where, on what, with which limits; and how the target is opened (every asset that
+# reads the target resolves it: `Project.target()`). Where these determine content they are in `reads` (the
+# target's own, the shards') and reach the rest through the `target_model` parent. `vllm.dtype` and
+# `vllm.extra_args` can change what an engine computes (a quantization flag): a known gap (issue 44).
+SERVING = ("vllm", "alerts", "target_model", "trust_remote_code", "aux_layer_ids")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    name: str
+    reads: Callable[[Settings], tuple[str, ...]]
+    parents: tuple[str, ...] = ()
+    runs_with: tuple[str, ...] = SERVING
+    deps_apart: Mapping[str, str] = field(default_factory=dict)
+    code: int = 1
+
+    @property
+    def record_dir(self) -> str:
+        return self.name
+
+
+def _prompts(s: Settings) -> tuple[str, ...]:
+    if s.prompts is not None:
+        return ("prompts", "eval_prompts")
+    return ("demo.num_prompts", "demo.seed") + (("eval_prompts",) if s.eval_prompts is not None else ())
+
+
+def _target_model(s: Settings) -> tuple[str, ...]:
+    return ("demo",) if s.is_demo else ("target_model", "trust_remote_code")
+
+
+def _tokenized(s: Settings) -> tuple[str, ...]:
+    fields = ("max_seq_len", "overlong", "unfinished_responses", "shard_size", "training.mode")
+    return fields + (("training.seed",) if s.training.mode == "rolling" else ())  # rolling shuffles with its seed
+
+
+def _drafter(_: Settings) -> tuple[str, ...]:
+    learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
+    return ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
+
+
+ARTIFACTS: dict[str, Artifact] = {
+    a.name: a
+    for a in (
+        Artifact("prompts", _prompts),
+        # Checked against the target as it is validated, never changing its files.
+        Artifact("target_model", _target_model, runs_with=(*SERVING, "extraction.storage_dtype", "generation.reasoning")),
+        Artifact(
+            "responses",
+            lambda _: ("max_seq_len",) + tuple(
+                f"generation.{f}"
+                for f in ("max_new_tokens", "temperature", "top_p", "seed", "reasoning", "chat_template_kwargs")
+            ),
+            parents=("prompts", "target_model"),
+            runs_with=(*SERVING, "generation.backend", "generation.batch_size", "generation.rows_per_part",
+                       "generation.max_error_rate"),
+        ),  # fmt: skip
+        Artifact(
+            "tokenized",
+            _tokenized,
+            parents=("responses",),
+            deps_apart={"target_model": "the tokenizer is the one `responses` recorded its rows with"},
+        ),
+        Artifact("token_freq", lambda _: (), parents=("tokenized", "target_model")),
+        Artifact("vocab_map", lambda _: ("draft_vocab_size",), parents=("token_freq",)),
+        Artifact(
+            "hidden_states",
+            lambda _: ("aux_layer_ids", "extraction.storage_dtype"),
+            parents=("target_model",),
+            runs_with=(*SERVING, "extraction.backend", "extraction.batch_tokens", "extraction.progress_interval_s",
+                       "extraction.disk_margin", "extraction.max_retries", "extraction.backfill_cron",
+                       "training.mode", "training.window_shards"),
+            deps_apart={"tokenized": "a shard records its own rows' digest from tokenized's record, not its version"},
+        ),  # fmt: skip
+        Artifact(
+            "drafter",
+            _drafter,
+            parents=("target_model", "tokenized", "vocab_map"),
+            runs_with=(*SERVING, *(f"training.{f}" for f in TRAINING_HOW)),
+            deps_apart={
+                "tokenized": "the rows every shard is made from, known before any shard exists, as rolling mode needs",
+                "hidden_states": "its shards stand for tokenized's rows under the target and extraction settings",
+            },
+        ),
+        Artifact(
+            "drafter_eval",
+            lambda _: ("evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
+                       "generation.chat_template_kwargs"),
+            parents=("drafter", "prompts", "target_model"),
+            deps_apart={
+                "prompts": "the held-out prompts it serves come with the prompt set",
+                "target_model": "the target it serves the drafter beside",
+            },
+        ),  # fmt: skip
+        Artifact("drafter_release", lambda _: ("evaluation.release_min_acceptance",), parents=("drafter_eval",)),
+    )
+}

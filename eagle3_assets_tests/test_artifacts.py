@@ -1,0 +1,117 @@
+"""The asset registry (`artifacts.py`) against the assets themselves (issue 42): each asset's parents against its
+Dagster deps, and every setting an asset reads against its provenance. Each check is shown failing when one
+entry is left out. The reads are recorded for the data assets and a shard, which run here in-process; the drafter
+trains in torchrun ranks and drafter_eval serves in vLLM, beyond a recording settings object."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from dagster import AssetKey, Definitions
+from pydantic import BaseModel
+
+from eagle3_assets.artifacts import ARTIFACTS, Artifact
+from eagle3_assets.definitions import build_definitions
+from eagle3_assets.project import Project
+from eagle3_assets.storage import ArtifactStore
+
+from .conftest import tiny_settings
+from .helpers import gpu_instance
+
+# Settings properties, and the fields of their section they read.
+PROPERTIES = {"is_demo": ("target_model",), "extraction_urls": ("server_url", "server_urls")}
+DATA = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
+
+
+def parents_apart_from_deps(defs: Definitions, artifacts: Mapping[str, Artifact]) -> list[str]:
+    """Where an asset's parents and its Dagster deps differ with no reason given, or a reason names no difference."""
+    graph, problems = defs.resolve_asset_graph(), []
+    for key in graph.toposorted_asset_keys:
+        artifact = artifacts[key.to_user_string()]
+        deps = {k.to_user_string() for k in graph.get(key).parent_keys}
+        apart = set(artifact.parents) ^ deps
+        for name in sorted(apart - set(artifact.deps_apart)):
+            where = "a parent" if name in artifact.parents else "a Dagster dep"
+            problems.append(f"{artifact.name}: {name} is {where} only, and no reason is given")
+        for name in sorted(set(artifact.deps_apart) - apart):
+            problems.append(f"{artifact.name}: a reason is given for {name}, but parents and deps agree on it")
+    return problems
+
+
+def test_each_assets_parents_are_its_dagster_deps_but_where_a_reason_is_named(tmp_path):
+    defs = build_definitions(Project(tiny_settings(), ArtifactStore(tmp_path)))
+    assert parents_apart_from_deps(defs, ARTIFACTS) == []
+    left_out = {**ARTIFACTS, "vocab_map": replace(ARTIFACTS["vocab_map"], parents=())}
+    assert parents_apart_from_deps(defs, left_out) == ["vocab_map: token_freq is a Dagster dep only, and no reason is given"]
+    added = {**ARTIFACTS, "prompts": replace(ARTIFACTS["prompts"], parents=("target_model",))}
+    assert parents_apart_from_deps(defs, added) == ["prompts: target_model is a parent only, and no reason is given"]
+
+
+class Recording:
+    """Settings that note every field read through them, by dotted name (a section hands out a recording of itself)."""
+
+    def __init__(self, model: BaseModel, seen: set[str], path: str = ""):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_seen", seen)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._model, name)
+        if name.startswith("_") or name.startswith("model_") or (callable(value) and not isinstance(value, BaseModel)):
+            return value
+        if isinstance(value, BaseModel):
+            return Recording(value, self._seen, f"{self._path}{name}.")
+        self._seen.update(f"{self._path}{f}" for f in PROPERTIES.get(name, (name,)))
+        return value
+
+
+def provenance_fields(artifact: Artifact, settings, artifacts: Mapping[str, Artifact]) -> set[str]:
+    """The fields in `artifact`'s provenance and its ancestors' (their change reaches it as a new input version),
+    and those `reads` consults to choose them."""
+    fields: set[str] = set()
+    todo, seen = [artifact.name], set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            fields |= set(artifacts[name].reads(Recording(settings, fields)))  # the consulted ones land in `fields`
+            todo += artifacts[name].parents
+    return fields
+
+
+def unrecorded(artifact: Artifact, settings, read: set[str], artifacts: Mapping[str, Artifact] = ARTIFACTS) -> list[str]:
+    """The fields an asset read that neither its provenance (nor its ancestors') nor its `runs_with` names."""
+    declared = provenance_fields(artifact, settings, {**artifacts, artifact.name: artifact}) | set(artifact.runs_with)
+    return sorted(f for f in read if not any(f == d or f.startswith(f"{d}.") for d in declared))
+
+
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory, tiny_target_dir) -> dict[str, set[str]]:
+    """Every settings field each data asset and the first shard read as they ran, one run each."""
+    seen: set[str] = set()
+    settings = tiny_settings()
+    project = Project(Recording(settings, seen), ArtifactStore(tmp_path_factory.mktemp("reads")))  # type: ignore[arg-type]
+    job = build_definitions(project).resolve_implicit_global_asset_job_def()
+    out: dict[str, set[str]] = {}
+    with gpu_instance() as instance:
+        for name, partition in [*((n, None) for n in DATA), ("hidden_states", "rows_0-20")]:
+            seen.clear()
+            assert job.execute_in_process(instance=instance, asset_selection=[AssetKey(name)], partition_key=partition).success
+            out[name] = set(seen)
+    return out
+
+
+@pytest.mark.parametrize("name", [*DATA, "hidden_states"])
+def test_every_setting_an_asset_reads_is_in_its_provenance_or_named_as_how_it_runs(reads, name):
+    settings = tiny_settings()
+    assert unrecorded(ARTIFACTS[name], settings, reads[name]) == []
+
+
+def test_a_setting_read_but_left_out_of_the_provenance_is_named(reads):
+    settings = tiny_settings()
+    responses = ARTIFACTS["responses"]
+    left_out = replace(responses, reads=lambda s: tuple(f for f in responses.reads(s) if f != "generation.temperature"))
+    assert unrecorded(left_out, settings, reads["responses"]) == ["generation.temperature"]
