@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_assets.provenance import ProvenanceError, target_identity
 from eagle3_assets.settings import Settings, artifact_root, load_settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -37,13 +38,27 @@ class Project:
         )
 
     def target_dir(self) -> Path:
-        """A local directory holding the target model (engines load from local paths only)."""
+        """A local directory holding the target model (engines load from local paths only): the model itself
+        when it is local, else a copy made for its current identity (`provenance.target_identity`), the one the
+        records hold. A target rewritten in place at its URL is copied again, never loaded from the old copy."""
         if self.settings.target_model is None:
-            return self.store.ensure_local_dir(DEMO_MODEL_DIR)
+            return _local_copy(self.store, DEMO_MODEL_DIR)
         path = self.settings.target_model
         if path.startswith("file://"):
             path = path[len("file://") :]
         if "://" in path:
             parent, name = path.rstrip("/").rsplit("/", 1)
-            return ArtifactStore(parent).ensure_local_dir(name)
+            return _local_copy(ArtifactStore(parent), name)
         return Path(path)
+
+
+def _local_copy(store: ArtifactStore, rel: str) -> Path:
+    local = store.local_path(rel)
+    if local is not None:
+        return local
+    url = store.url_of(rel)
+    identity = target_identity(url)
+    copy = store.ensure_local_dir(rel, version=identity)
+    if target_identity(str(copy)) != identity:
+        raise ProvenanceError(f"target model {url}: its files changed while they were copied to {copy}; run it again")
+    return copy

@@ -9,6 +9,7 @@ that looks complete. Temporary names start with a dot and are never listed.
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -216,21 +217,27 @@ class ArtifactStore:
                 raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
 
-    def ensure_local_dir(self, rel: str) -> Path:
+    def ensure_local_dir(self, rel: str, version: str | None = None) -> Path:
         """A local directory holding `rel`: the directory itself on a local store, else a cached copy.
 
-        Engines (transformers, vLLM) load models from local paths only.
+        Engines (transformers, vLLM) load models from local paths only. A copy is made once per `version` (what
+        the caller knows the directory's content by): a directory rewritten in place under a new version is
+        copied again, and the copies of its other versions are then removed; one copy per directory is kept.
         """
         local = self.local_path(rel)
         if local is not None:
             return local
         cache = self._cache_dir or Path(tempfile.gettempdir()) / "eagle3-store-cache"
-        target = cache / hashlib.sha1(self.url.encode()).hexdigest()[:12] / rel.strip("/")
+        base = cache / hashlib.sha1(self.url.encode()).hexdigest()[:12] / rel.strip("/")
+        target = base if version is None else base.with_name(f"{base.name}@{version}")
         if not target.exists():
             tmp = target.with_name(target.name + TMP_MARK + uuid.uuid4().hex[:8])
             tmp.mkdir(parents=True)
             self.fs.get(self.path(rel).rstrip("/") + "/", str(tmp), recursive=True)
             tmp.rename(target)
+            for old in base.parent.glob(f"{glob.escape(base.name)}@*"):
+                if old != target and TMP_MARK not in old.name:
+                    shutil.rmtree(old, ignore_errors=True)  # an engine still reading it keeps its open files
         return target
 
     # -- space ---------------------------------------------------------------

@@ -1,5 +1,6 @@
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,3 +138,44 @@ def test_a_full_disk_and_a_read_only_store_are_refusals_naming_the_file(small_tm
         store.check_writable("responses/parts")
     assert isinstance(ro.value, Refusal)
     assert store.read_text("responses/parts/part-00000.jsonl") == "kept\n"
+
+
+def test_a_remote_target_rewritten_in_place_is_loaded_fresh_and_its_old_copy_removed(tmp_path: Path, tiny_target_dir: Path):
+    """The engines load the bytes whose identity the records hold (issue 42): the local copy of a `memory://` target is
+    keyed by that identity, so a model rewritten at the same URL is copied again, and the old copy goes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3_assets.demo.target import build_demo_target
+    from eagle3_assets.drafter.target_head import load_target_weights
+    from eagle3_assets.project import Project
+    from eagle3_assets.provenance import target_identity
+
+    from .conftest import TINY_DEMO, tiny_settings
+
+    url = f"memory://target-{uuid.uuid4().hex[:8]}/model"
+    remote = ArtifactStore(url.rsplit("/", 1)[0])
+    remote.put_dir(tiny_target_dir, "model")
+    settings = tiny_settings(target_model=url)
+    project = Project(settings, ArtifactStore(tmp_path / "root"))
+    fs = remote.fs
+
+    def loaded_embedding() -> torch.Tensor:
+        return load_target_weights(project.target()).embed_tokens
+
+    first_identity, first = target_identity(url), project.target_dir()
+    assert first.name == f"model@{first_identity}" and torch.equal(
+        loaded_embedding(), load_file(tiny_target_dir / "model.safetensors")["model.embed_tokens.weight"]
+    )
+    assert project.target_dir() == first  # not copied again while the target stays as it is
+
+    other = tmp_path / "other"
+    build_demo_target(other, TINY_DEMO.model_copy(update={"seed": 1}), log=lambda _: None)
+    fs.rm(remote.path("model"), recursive=True)
+    remote.put_dir(other, "model")  # the same URL, other bytes
+    second_identity, second = target_identity(url), project.target_dir()
+    assert second_identity != first_identity and second.name == f"model@{second_identity}"
+    new = load_file(other / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(loaded_embedding(), new) and not torch.equal(new, load_file(tiny_target_dir / "model.safetensors")["model.embed_tokens.weight"])
+    assert not first.exists() and sorted(p.name for p in second.parent.iterdir()) == [second.name]
+    shutil.rmtree(second.parent)
