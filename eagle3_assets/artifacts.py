@@ -62,7 +62,7 @@ def _target_model(s: Settings) -> tuple[str, ...]:
 
 def _tokenized(s: Settings) -> tuple[str, ...]:
     fields = ("max_seq_len", "overlong", "unfinished_responses", "shard_size", "training.mode")
-    return fields + (("training.seed",) if s.training.mode == "rolling" else ())  # rolling shuffles with its seed
+    return fields + (("training.seed",) if s.training.rolling else ())  # rolling shuffles with its seed
 
 
 def _drafter(_: Settings) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from eagle3_assets.project import Project
 def build_definitions(project: Project, door: StartDoor | None = None) -> Definitions:
     """The code location's definitions; with `door`, the start command's (its conditions make what is missing)."""
     settings = project.settings
-    rolling = settings.training.mode == "rolling"
+    rolling = settings.training.rolling
     cron = settings.extraction.backfill_cron
     hidden_states = hidden_states_asset(settings.extraction).with_attributes(
         automation_condition=shard_backfill_condition(cron, project, door)

@@ -202,6 +202,12 @@ class TrainingSettings(_Section):
         False, description="record every trained sample's row and step in each checkpoint (an audit of exactly-once)"
     )
 
+    @property
+    def rolling(self) -> bool:
+        """Whether training takes the shards as they land, each released once learnt (`mode: rolling`), rather than
+        every shard at once after all are extracted (`offline`)."""
+        return self.mode == "rolling"
+
     @model_validator(mode="after")
     def _servable(self) -> TrainingSettings:
         if "sglang" in self.serve_with:
@@ -221,7 +227,7 @@ class TrainingSettings(_Section):
                 "heldout_rows: 0 leaves nothing to evaluate, so early_stop_evals and export_checkpoint: best have "
                 "nothing to go by; hold rows out (heldout_rows > 0) or remove those settings"
             )
-        if self.mode == "rolling" and self.early_stop_evals is not None:
+        if self.rolling and self.early_stop_evals is not None:
             raise ValueError(
                 "early_stop_evals: rolling mode trains and releases each shard as it lands; stopping early would "
                 "leave the rest extracted for nothing or never released. Remove it, or use mode: offline"
@@ -230,7 +236,7 @@ class TrainingSettings(_Section):
 
     @model_validator(mode="after")
     def _single_pass_when_rolling(self) -> TrainingSettings:
-        if self.mode != "rolling":
+        if not self.rolling:
             return self
         # A released shard is gone: a second epoch would have to extract every shard again. Real runs at
         # the scale rolling mode is for see each sample once (README, "Training past the disk").

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
+from eagle3_assets.hidden_states.manifest import ShardManifest
 from eagle3_assets.sample_file import SAMPLE_SUFFIX, check_record_path, manifest_path, sample_path, sample_row, shard_dir
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
@@ -70,7 +71,8 @@ def lost_sample_files(store: ArtifactStore, key: str) -> str | None:
     sizes = store.sizes(shard_dir(key))
     if missing := [r for r in rows if f"{r}{SAMPLE_SUFFIX}" not in sizes]:
         return f"{len(missing)} of {len(rows)} sample files are gone, the first {store.url_of(sample_path(key, missing[0]))}"
-    recorded = store.read_json(manifest_path(key)).get("bytes")
+    manifest = ShardManifest.read(store, key)
+    recorded = None if manifest is None else manifest.bytes
     held = sum(sizes[f"{r}{SAMPLE_SUFFIX}"] for r in rows)
     if recorded is not None and held != recorded:
         return f"its sample files hold {held:,} bytes, its manifest recorded {recorded:,}: a file changed after the check"
@@ -220,12 +222,12 @@ def _rate(times: list[datetime]) -> float | None:
 def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> WindowStatus:
     consumed = read_consumed(store)
     states: dict[str, ShardState] = {}
-    manifests: dict[str, dict] = {}
+    manifests: dict[str, ShardManifest] = {}
     for key in keys:
         # One read of each manifest: its figures and the digest its check record must match.
         raw = store.read_bytes(manifest_path(key)) if store.exists(manifest_path(key)) else None
         if raw is not None:
-            manifests[key] = json.loads(raw)
+            manifests[key] = ShardManifest.from_json(json.loads(raw))
         if key in consumed:
             states[key] = "released" if consumed[key].released else "consumed"
         elif raw is None:
@@ -233,9 +235,9 @@ def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> Windo
         else:
             verdict = check_verdict(store, key, hashlib.sha256(raw).hexdigest())
             states[key] = {"passed": "checked", "failed": "check failed", "unchecked": "extracted"}[verdict]
-    sizes = [int(m.get("bytes", 0)) for m in manifests.values()]
-    on_disk = sum(int(manifests[k].get("bytes", 0)) for k, st in states.items() if st != "released" and k in manifests)
-    extracted_at = [datetime.fromisoformat(m["created"]) for m in manifests.values() if "created" in m]
+    sizes = [m.bytes for m in manifests.values()]
+    on_disk = sum(manifests[k].bytes for k, st in states.items() if st != "released" and k in manifests)
+    extracted_at = [datetime.fromisoformat(m.created) for m in manifests.values()]
     trained_at = [datetime.fromisoformat(c.at) for c in consumed.values()]
     extract_rate, train_rate = _rate(extracted_at), _rate(trained_at)
     eta = None

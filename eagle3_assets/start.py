@@ -44,15 +44,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
-
-from dagster import AssetKey, AssetSelection, DagsterInstance, Definitions, evaluate_automation_conditions
-from dagster._core.storage.tags import MAX_RETRIES_TAG  # the run tag Dagster's run retries read; no public name
-from dagster._core.utils import make_new_run_id  # a run id known before the run, for its process tags
+from dagster import (
+    AssetKey,
+    AssetSelection,
+    DagsterInstance,
+    Definitions,
+    evaluate_automation_conditions,
+)
+from dagster._core.storage.tags import (
+    MAX_RETRIES_TAG,  # the run tag Dagster's run retries read; no public name
+)
+from dagster._core.utils import (
+    make_new_run_id,  # a run id known before the run, for its process tags
+)
 
 from eagle3_assets.defs.drafter.assets import DRAFTER, DRAFTER_RELEASE, drafter_eval
 from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
-from eagle3_assets.defs.partitions import UnknownShardKey, registered_shard_keys, require_shard_keys
-from eagle3_assets.defs.provenance import StartDoor, Staleness, why_due
+from eagle3_assets.defs.partitions import (
+    UnknownShardKey,
+    registered_shard_keys,
+    require_shard_keys,
+)
+from eagle3_assets.defs.provenance import Staleness, StartDoor, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
@@ -219,7 +232,7 @@ class GraphStart:
         self.log(f"{len(sweep_dead_runs(self.instance))} run(s) of dead processes failed and their slots freed")
         # Nothing after `through` runs: `--through hidden_states` is the whole data build, vocab map included.
         selection = AssetSelection.all() - AssetSelection.assets(through).downstream(include_self=False)
-        rolling = self.project.settings.training.mode == "rolling"
+        rolling = self.project.settings.training.rolling
         tried: set[Request] = set()
         failed: list[str] = []
         with ExitStack() as stack:

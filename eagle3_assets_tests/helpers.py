@@ -21,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_assets.crash_points import CRASH_ENV, STALL_ENV, STALLED
 from eagle3_assets.hidden_states.hf_extractor import final_norm
-from eagle3_assets.sample_file import SampleSpec, encode_sample, manifest_path, sample_path
+from eagle3_assets.hidden_states.manifest import ShardManifest
+from eagle3_assets.sample_file import FORMAT, SampleSpec, encode_sample, sample_path
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -142,7 +143,13 @@ def write_shard(
         store.write_bytes(sample_path(key, start + i), data)
         tokens += len(ids)
     if complete:
-        store.write_json(manifest_path(key), {"rows": len(rows), "tokens": tokens})
+        sizes = store.sizes(f"hidden_states/{key}")
+        ShardManifest(
+            format=FORMAT, shard=key, row_start=start, row_end=start + len(rows), rows=len(rows), tokens=tokens,
+            bytes=sum(sizes.values()), aux_layer_ids=tuple(aux_ids), hidden_size=model.config.hidden_size, dtype=dtype,
+            last_hidden_state_norm=norm, model="tiny-llama", backend="hf", rows_computed=len(rows), rows_skipped=0,
+            seconds=0.0, created="2026-12-01T12:00:00+00:00",
+        ).write(store)  # fmt: skip
     return key
 
 

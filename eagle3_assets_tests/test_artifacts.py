@@ -22,7 +22,7 @@ from .conftest import tiny_settings
 from .helpers import gpu_instance
 
 # Settings properties, and the fields of their section they read.
-PROPERTIES = {"is_demo": ("target_model",), "extraction_urls": ("server_url", "server_urls")}
+PROPERTIES = {"is_demo": ("target_model",), "extraction_urls": ("server_url", "server_urls"), "rolling": ("mode",)}
 DATA = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
 
 

@@ -27,6 +27,7 @@ from eagle3_assets.drafter.data import (
     split_batch,
     split_heldout,
 )
+from eagle3_assets.hidden_states.manifest import ShardManifest
 from eagle3_assets.sample_file import read_header
 from eagle3_assets.storage import ArtifactStore
 
@@ -254,7 +255,9 @@ def test_the_test_shards_are_written_by_the_pipelines_own_writer_in_the_contract
     assert meta["format"] == "eagle3-hidden-states/2"
     assert json.loads(meta["aux_layer_ids"]) == [1, 2, 3]
     assert meta["last_hidden_state_norm"] == "pre_norm"
-    assert store.read_json(f"hidden_states/{key}/_SUCCESS.json") == {"rows": 1, "tokens": 10}
+    manifest = ShardManifest.read(store, key)  # the pipeline's own manifest, read by its one reader
+    assert (manifest.shard, manifest.rows, manifest.tokens, manifest.aux_layer_ids) == (key, 1, 10, (1, 2, 3))
+    assert manifest.bytes == store.size(f"hidden_states/{key}/{manifest.row_start}.safetensors")
 
 
 def test_float8_samples_are_loaded_dequantized(tmp_path, model):

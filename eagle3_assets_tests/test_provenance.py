@@ -15,7 +15,7 @@ import pytest
 from dagster import AssetKey, AssetSelection, Definitions, evaluate_automation_conditions
 
 from eagle3_assets.project import Project
-from eagle3_assets.settings import GenerationSettings, TrainingSettings
+from eagle3_assets.settings import GenerationSettings
 
 from .conftest import TINY_DEMO, tiny_settings
 from .helpers import Operator, prompt_file_operator

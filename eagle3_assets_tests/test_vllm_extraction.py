@@ -169,7 +169,7 @@ def test_two_shards_through_one_server_load_the_model_once(server: LongLivedServ
         result = extract_shard(store, tset, shard, extractor, settings.extraction, model_name=MODEL_NAME)
         extractor.close()
         assert (result.rows_computed, result.rows_skipped) == (15, 0)
-        assert (result.manifest["backend"], result.manifest["last_hidden_state_norm"]) == ("vllm", "pre_norm")
+        assert (result.manifest.backend, result.manifest.last_hidden_state_norm) == ("vllm", "pre_norm")
         assert result.notes[-1].startswith("disk preflight skipped")  # a memory store: the client writes each file
     reports = check_shards(
         store, tset, shards, hidden_size=H, aux_layer_ids=AUX, dtype="bfloat16", model=MODEL_NAME,
@@ -198,7 +198,7 @@ def test_the_server_writes_each_sample_file_itself_into_a_store_it_can_see(
         result = extract_shard(store, tset, shard, extractor, settings.extraction, model_name=MODEL_NAME)
         extractor.close()
         assert result.notes[-1] == "vllm backend wrote each file itself (one write per sample)"
-        assert (result.rows_computed, result.manifest["dtype"]) == (12, dtype)
+        assert (result.rows_computed, result.manifest.dtype) == (12, dtype)
         report = check_shard(store, tset, shard, hidden_size=H, aux_layer_ids=AUX, dtype=dtype, model=MODEL_NAME,
                              last_hidden_state_norm="pre_norm")  # fmt: skip
         assert report.ok, report.summary()

@@ -51,7 +51,7 @@ def train(report: Report, max_steps: int | None) -> DrafterRun:
     target = project.target()
     tokenized = TokenizedSet.load(store)
     shards = plan_shards(tokenized.num_rows, settings.shard_size)
-    if settings.training.mode != "rolling":
+    if not settings.training.rolling:
         spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype)
         bad = {s.key: p for s in shards if (p := manifest_problem(store, tokenized, s, spec))}
         if bad:

@@ -23,6 +23,7 @@ from eagle3_assets.drafter.checkpoint import checkpoint_rel
 from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError, DataPosition, SampleFormat, SampleRef
 from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.hidden_states.manifest import ManifestError, ShardManifest
 from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.shard_window import (
     check_verdict,
@@ -137,8 +138,10 @@ class RollingLoader:
 
 
 def manifest_format(store: ArtifactStore, key: str) -> SampleFormat:
-    m = store.read_json(manifest_path(key))
-    return SampleFormat(int(m["hidden_size"]), tuple(m["aux_layer_ids"]), str(m.get("model") or ""), str(m["dtype"]))
+    m = ShardManifest.read(store, key)
+    if m is None:
+        raise ManifestError(f"shard {key} has no manifest: it was never completed")
+    return SampleFormat(m.hidden_size, m.aux_layer_ids, m.model, m.dtype)
 
 
 @dataclass

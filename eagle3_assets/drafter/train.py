@@ -518,7 +518,7 @@ def _prepare(
     inputs: Mapping[str, str] | None = None,
 ) -> _Run:
     window = None
-    if settings.mode == "rolling":
+    if settings.rolling:
         fmt, loader, held, window = _rolling_data(
             store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard
         )

@@ -11,15 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_assets.errors import Refusal
+from eagle3_assets.hidden_states.manifest import ManifestError, ShardManifest
 from eagle3_assets.provenance import RECORD_NAME
 from eagle3_assets.sample_file import (
     CHECK_RECORD_NAME,
     MANIFEST_NAME,
-    READABLE_FORMATS,
     MISSING,
     SAMPLE_SUFFIX,
     SampleSpec,
-    manifest_path,
     sample_path,
     sample_problem,
     sample_row,
@@ -126,26 +125,22 @@ class ShardCheckReport:
 
 def manifest_problem(store: ArtifactStore, tokenized: TokenizedSet, shard: Shard, spec: SampleSpec) -> str | None:
     """Why the shard's `_SUCCESS.json` is missing or disagrees with the shard, or None."""
-    if not store.exists(manifest_path(shard.key)):
-        return "missing (the shard never completed)"
     try:
-        m = store.read_json(manifest_path(shard.key))
-    except (StoreError, OSError, ValueError) as e:
-        return f"unreadable ({e})"
-    if not isinstance(m, dict):
-        return f"unreadable (expected a JSON object, got {type(m).__name__})"
-    if m.get("format") not in READABLE_FORMATS:
-        return f"format is {m.get('format')!r}, expected one of {list(READABLE_FORMATS)}"
+        m = ShardManifest.read(store, shard.key)
+    except ManifestError as e:
+        return str(e)
+    if m is None:
+        return "missing (the shard never completed)"
     expected = {
         "rows": len(shard),
         "tokens": tokenized.tokens_in(shard.start, shard.end),
-        "aux_layer_ids": list(spec.aux_layer_ids),
+        "aux_layer_ids": tuple(spec.aux_layer_ids),
         "hidden_size": spec.hidden_size,
         "dtype": spec.dtype,
     }
     for key, want in expected.items():
-        if m.get(key) != want:
-            return f"{key} is {m.get(key)!r}, expected {want!r}"
+        if getattr(m, key) != want:
+            return f"{key} is {getattr(m, key)!r}, expected {want!r}"
     return None
 
 

@@ -35,6 +35,7 @@ from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.figures import duration
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, HiddenStateExtractor, WrittenSample
 from eagle3_assets.hidden_states.integrity import inspect_rows, manifest_problem
+from eagle3_assets.hidden_states.manifest import ShardManifest
 from eagle3_assets.sample_file import (
     FORMAT,
     MISSING,
@@ -131,7 +132,7 @@ class ShardResult:
     temporaries_removed: int
     repaired: dict[int, str] = field(default_factory=dict)  # row -> why its existing file was redone
     notes: list[str] = field(default_factory=list)
-    manifest: dict = field(default_factory=dict)
+    manifest: ShardManifest | None = None
 
     def as_metadata(self) -> dict[str, float | int]:
         return {
@@ -206,26 +207,14 @@ def _manifest(
     computed: int,
     skipped: int,
     seconds: float,
-) -> dict:
-    return {
-        "format": FORMAT,
-        "shard": shard.key,
-        "row_start": shard.start,
-        "row_end": shard.end,
-        "rows": len(shard),
-        "tokens": tokens,
-        "bytes": bytes_,
-        "aux_layer_ids": list(spec.aux_layer_ids),
-        "hidden_size": spec.hidden_size,
-        "dtype": spec.dtype,
-        "last_hidden_state_norm": spec.last_hidden_state_norm,
-        "model": spec.model,
-        "backend": backend,
-        "rows_computed": computed,
-        "rows_skipped": skipped,
-        "seconds": round(seconds, 3),
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
+) -> ShardManifest:
+    return ShardManifest(
+        format=FORMAT, shard=shard.key, row_start=shard.start, row_end=shard.end, rows=len(shard), tokens=tokens,
+        bytes=bytes_, aux_layer_ids=tuple(spec.aux_layer_ids), hidden_size=spec.hidden_size, dtype=spec.dtype,
+        last_hidden_state_norm=spec.last_hidden_state_norm, model=spec.model or "", backend=backend,
+        rows_computed=computed, rows_skipped=skipped, seconds=round(seconds, 3),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )  # fmt: skip
 
 
 @dataclass
@@ -391,7 +380,7 @@ def completed_shard(store: ArtifactStore, tokenized: TokenizedSet, plan: ShardPl
     shard = plan.shard
     if plan.todo or manifest_problem(store, tokenized, shard, plan.spec) is not None:
         return None
-    manifest = store.read_json(manifest_path(shard.key))
+    manifest = ShardManifest.read(store, shard.key)
     return ShardResult(
         shard=shard.key, rows_total=len(shard), rows_skipped=len(shard), rows_computed=0,
         tokens=tokenized.tokens_in(shard.start, shard.end), tokens_computed=0, bytes=plan.bytes_present,
@@ -466,7 +455,7 @@ def run_shard(
     total_bytes = tally.bytes_present + tally.bytes_written
     if not plan.todo and manifest_problem(store, tokenized, shard, spec) is None:
         # Nothing redone: the manifest of the run that made these files still tells the truth.
-        manifest = store.read_json(manifest_path(key))
+        manifest = ShardManifest.read(store, key)
     else:
         manifest = _manifest(
             shard,
@@ -478,7 +467,7 @@ def run_shard(
             skipped=tally.rows_skipped,
             seconds=t_end - plan.started,
         )
-        store.write_json(manifest_path(key), manifest)
+        manifest.write(store)
     notes = plan.notes + ([f"{extractor.backend} backend wrote each file itself (one write per sample)"] if direct else [])
     return ShardResult(
         shard=key,

@@ -222,7 +222,7 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
             unfinished=settings.unfinished_responses,
         )
     row_order = "responses"
-    if settings.training.mode == "rolling":
+    if settings.training.rolling:
         # Rolling mode trains shard after shard in a single pass: each shard must be a uniform slice.
         tset, row_order = tset.shuffled(settings.training.seed), f"shuffled (seed {settings.training.seed})"
     nbytes = tset.save(

@@ -43,7 +43,7 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
     shards are extracted, so it takes its own `trainer` pool: holding `gpu` while it waits for a shard
     would keep that shard's extraction from ever starting."""
 
-    rolling = training.mode == "rolling"
+    rolling = training.rolling
 
     @asset(
         key=DRAFTER,

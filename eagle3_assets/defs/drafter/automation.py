@@ -29,7 +29,7 @@ def _check_not_passed() -> AutomationCondition:
 
 
 def drafter_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
-    if project.settings.training.mode == "rolling":
+    if project.settings.training.rolling:
         return _rolling_drafter_condition(project, door)
     checked = ~AutomationCondition.any_deps_match(_check_not_passed()).with_label("any_deps_blocking_checks_not_passed")
     return follows(project, inputs_current(project) & checked, door).with_label(

@@ -53,7 +53,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
         """Aux-layer and final hidden states of every row of one shard, one safetensors file per row."""
         shard = Shard.parse(context.partition_key)
         store, settings = project.store, project.settings
-        if settings.training.mode == "rolling":
+        if settings.training.rolling:
             window = Window.read(store, registered_shard_keys(context.instance), settings.training.window_shards)
             if (refused := window.refusal(shard.key)) is not None:
                 raise refusal(refused)

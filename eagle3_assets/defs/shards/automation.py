@@ -63,7 +63,7 @@ def shard_backfill_condition(cron: str, project: Project, door: StartDoor | None
     triggers = _missing_or_failed(cron, project, door) | _newly_registered() | stale(project, inputs_current(project))
     if door is not None:
         triggers = with_redo(triggers, door, inputs_current(project))
-    if project.settings.training.mode != "rolling":
+    if not project.settings.training.rolling:
         return triggers.with_label(f"new or stale shards at once; missing or failed shards every tick of {cron}")
     return (triggers & InRollingWindow(project)).with_label(
         f"new or stale shards at once, missing or failed shards every tick of {cron}; within the rolling window"

@@ -42,7 +42,7 @@ CHECK_NAME = "shard_integrity"
 def not_extracted_yet(project: Project, keys: list[str], consumed: dict[str, ConsumedShard]) -> list[str]:
     """Rolling mode: the shards extraction has not finished yet (no manifest), which the window admits in turn:
     nothing to judge, and no reason to record a failed check. Offline every shard is due, and a missing one fails."""
-    if project.settings.training.mode != "rolling":
+    if not project.settings.training.rolling:
         return []
     return [k for k in keys if k not in consumed and not project.store.exists(manifest_path(k))]
 
