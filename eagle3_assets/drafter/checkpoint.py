@@ -53,7 +53,7 @@ def latest_checkpoint(store: ArtifactStore) -> str | None:
 
 @dataclass
 class CheckpointState:
-    """state.json, parsed."""
+    """state.json, parsed: the one format of every weights directory under `checkpoints/` (a step's, `best/`)."""
 
     step: int
     state: dict[str, Any]
@@ -62,6 +62,15 @@ class CheckpointState:
     def next_position(self) -> tuple[int, int]:
         p = self.state["next_position"]
         return int(p["epoch"]), int(p["batch"])
+
+    @property
+    def run(self) -> dict[str, Any]:
+        """The fingerprint of the run that wrote it (`drafter/train.py`)."""
+        return dict(self.state.get("run") or {})
+
+    @property
+    def world_size(self) -> int:
+        return int(self.run.get("world_size", 1))
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -107,23 +116,31 @@ def save_checkpoint(
     if torch.cuda.is_available():
         rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     body = {
-        "format": CHECKPOINT_FORMAT,
         "step": step,
         "scheduler": scheduler.state_dict(),
         "optimizer_param_groups": groups,
         **state,
     }
     rel = checkpoint_rel(step)
-    with tempfile.TemporaryDirectory(prefix="drafter-ckpt-") as tmp:
-        d = Path(tmp)
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_tensors.items()}, str(d / "model.safetensors"))
-        save_file(opt_tensors, str(d / "optimizer.safetensors"))
-        save_file(rng, str(d / "rng.safetensors"))
-        (d / "state.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-        store.put_dir(d, rel)
+    publish_weights(store, rel, model_tensors, body, optimizer=opt_tensors, rng=rng)
     for old in list_checkpoints(store)[:-KEEP_LAST]:
         store.remove(checkpoint_rel(old), recursive=True)
     return rel
+
+
+def publish_weights(
+    store: ArtifactStore, rel: str, model_tensors: dict[str, torch.Tensor], state: dict[str, Any], **more: dict[str, torch.Tensor]
+) -> None:
+    """`rel` made of `model.safetensors`, a `<name>.safetensors` for each of `more`, and `state.json` (format and step
+    added), assembled in a temporary directory and published as one (`ArtifactStore.put_dir`)."""
+    body = {"format": CHECKPOINT_FORMAT, **state}
+    with tempfile.TemporaryDirectory(prefix="drafter-weights-") as tmp:
+        d = Path(tmp)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_tensors.items()}, str(d / "model.safetensors"))
+        for name, tensors in more.items():
+            save_file(tensors, str(d / f"{name}.safetensors"))
+        (d / "state.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        store.put_dir(d, rel)
 
 
 def read_checkpoint_state(store: ArtifactStore, rel: str) -> CheckpointState:

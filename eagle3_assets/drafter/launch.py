@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_checkpoint_state
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.settings import LaunchSettings
 from eagle3_assets.storage import ArtifactStore
@@ -81,7 +81,7 @@ def refuse_another_world_size(store: ArtifactStore, world_size: int) -> None:
     rel = latest_checkpoint(store)
     if rel is None:
         return
-    saved = store.read_json(f"{rel}/state.json")["run"].get("world_size", 1)
+    saved = read_checkpoint_state(store, rel).world_size
     if saved != world_size:
         raise LaunchRefused(
             f"{store.url_of(rel)} was written by {saved} rank(s) and this job would run {world_size}: resume it on "

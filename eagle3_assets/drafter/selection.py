@@ -11,16 +11,18 @@ the step and the run's fingerprint, so weights of another run are never exported
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save_file
 
-from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
+from eagle3_assets.drafter.checkpoint import (
+    CHECKPOINTS_DIR,
+    CheckpointError,
+    publish_weights,
+    read_checkpoint_state,
+    read_model_tensors,
+)
 from eagle3_assets.storage import ArtifactStore
 
 BEST_DIR = f"{CHECKPOINTS_DIR}/best"
@@ -51,19 +53,19 @@ def stops_early(evals: Sequence[Evaluation], early_stop_evals: int | None) -> bo
 def save_best(
     store: ArtifactStore, tensors: dict[str, torch.Tensor], evaluation: Evaluation, fingerprint: dict[str, Any]
 ) -> None:
-    """Publish `tensors` as the run's best weights (one rename: complete or absent)."""
-    with tempfile.TemporaryDirectory(prefix="drafter-best-") as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(Path(tmp) / "model.safetensors"))
-        (Path(tmp) / "state.json").write_text(json.dumps({"evaluation": evaluation, "run": fingerprint}, indent=2))
-        store.put_dir(tmp, BEST_DIR)
+    """Publish `tensors` as the run's best weights, in the checkpoints' one format (complete or absent)."""
+    publish_weights(store, BEST_DIR, tensors, {"step": evaluation["step"], "evaluation": evaluation, "run": fingerprint})
 
 
 def load_best(store: ArtifactStore, step: int, fingerprint: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     """The weights evaluated at `step` by this run (same fingerprint), None when `best/` holds other ones."""
     if not store.exists(f"{BEST_DIR}/state.json"):
         return None
-    state = store.read_json(f"{BEST_DIR}/state.json")
+    try:
+        best = read_checkpoint_state(store, BEST_DIR)
+    except CheckpointError:
+        return None  # written before the one format, or broken: not this run's, never exported as its
     # Compared as JSON, the form it was saved in (tuples become lists).
-    if state.get("run") != json.loads(json.dumps(fingerprint)) or state.get("evaluation", {}).get("step") != step:
+    if best.run != json.loads(json.dumps(fingerprint)) or best.step != step:
         return None
-    return st_load(store.read_bytes(f"{BEST_DIR}/model.safetensors"))
+    return read_model_tensors(store, BEST_DIR)

@@ -563,7 +563,7 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     if rel is None:
         return 0, DataPosition(), "", {}
     saved = read_checkpoint_state(run.store, rel)
-    if diffs := _diff(with_settings_added_later(saved.state["run"]), run.fingerprint):
+    if diffs := _diff(with_settings_added_later(saved.run), run.fingerprint):
         where = run.store.url_of(CHECKPOINTS_DIR)
         if other_run == "fresh" and run.window is None:
             barrier()  # every rank has read the checkpoint's state before rank 0 removes it
