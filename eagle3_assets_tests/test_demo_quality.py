@@ -37,13 +37,17 @@ from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK
-from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, load_eval_prompts, token_class_accuracy
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
+from eagle3_assets.drafter.evaluate import load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import build_drafter, train_drafter
-from eagle3_assets.drafter.vllm_eval import generate_in_subprocess, generate_runs_in_subprocess
+from eagle3_assets.drafter.vllm_eval import (
+    generate_in_subprocess,
+    generate_runs_in_subprocess,
+)
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.project import DEMO_MODEL_DIR, Project

@@ -8,10 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, REFERENCE, evaluate_drafter
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
+from eagle3_assets.drafter.evaluate import REFERENCE, evaluate_drafter
 from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.model import DrafterConfig
-from eagle3_assets.drafter.release import export_digest, release_decision, released_figures
+from eagle3_assets.drafter.release import (
+    export_digest,
+    release_decision,
+    released_figures,
+)
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import build_drafter
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, dump_prompts
@@ -73,6 +78,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     assert any(line.startswith("drafter_eval: pass 7/7 (reference k=7) done at") for line in lines), lines
 
     # Nothing released yet, and still the zeroed head is not released: it serves at 1.0.
-    decision = release_decision(written, released_figures(store, written), settings.evaluation.release_min_acceptance)
+    served = ServedReport.read(store)
+    decision = release_decision(served, released_figures(store, served), settings.evaluation.release_min_acceptance)
     assert not decision.promote and decision.released is None
     assert decision.reason.startswith("the new export serves at mean acceptance length 1.000 at k=3, below")

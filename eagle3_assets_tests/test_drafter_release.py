@@ -12,9 +12,15 @@ from dagster import AssetKey, DagsterInstance, materialize
 from safetensors.torch import save_file
 
 from eagle3_assets.defs.drafter.assets import RELEASE_CHECK, drafter_release
-from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, ReferenceDrafterMissing, beside_drafters
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
+from eagle3_assets.drafter.evaluate import ReferenceDrafterMissing, beside_drafters
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.release import RELEASE_DIR, RELEASED, export_digest, release_decision
+from eagle3_assets.drafter.release import (
+    RELEASE_DIR,
+    RELEASED,
+    export_digest,
+    release_decision,
+)
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import Provenance, Record, write_record
 from eagle3_assets.settings import EvaluationSettings
@@ -23,8 +29,13 @@ from eagle3_assets.storage import ArtifactStore
 from .conftest import tiny_settings
 
 
-def report(k3: float, k7: float, *, greedy: bool = True, **extra) -> dict:
+def report_json(k3: float, k7: float, *, greedy: bool = True, **extra) -> dict:
+    """A drafter_eval report's figures in the form `EvalReport.as_metadata` writes them."""
     return {"mean_acceptance_length_k3": k3, "mean_acceptance_length_k7": k7, "outputs_match_greedy": greedy, **extra}
+
+
+def report(k3: float, k7: float, *, greedy: bool = True) -> ServedReport:
+    return ServedReport.from_json(report_json(k3, k7, greedy=greedy))
 
 
 def test_the_gate_promotes_the_first_release_and_a_drafter_at_least_as_good():
@@ -79,7 +90,7 @@ def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
     project = Project(tiny_settings(), store)
     with DagsterInstance.ephemeral() as instance:
         first = write_export(store, 1.0)
-        result, meta, check = release(project, instance, report(2.1, 2.6, export_sha256=first))
+        result, meta, check = release(project, instance, report_json(2.1, 2.6, export_sha256=first))
         assert result.success and check.passed and check.check_name == RELEASE_CHECK
         assert meta["promoted"].value is True and meta["reason"].value == "first release: k=3 2.100, k=7 2.600"
         assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
@@ -87,8 +98,8 @@ def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
 
         # A worse retrain, served beside the released drafter: the blocking check fails naming both figures.
         worse = write_export(store, 2.0)
-        beside = {RELEASED: report(2.1, 2.6, dir="release")}
-        result, meta, check = release(project, instance, report(1.9, 2.6, export_sha256=worse, beside=beside))
+        beside = {RELEASED: report_json(2.1, 2.6, dir="release")}
+        result, meta, check = release(project, instance, report_json(1.9, 2.6, export_sha256=worse, beside=beside))
         assert not result.success and not check.passed
         assert check.description == (
             "the new export serves at mean acceptance length 1.900 at k=3, the released drafter at 2.100 (same "
@@ -98,13 +109,13 @@ def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
         assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'  # it stayed
 
         # A report of another export than the one in the store decides nothing.
-        result, _, check = release(project, instance, report(3.0, 3.5, export_sha256=first, beside=beside))
+        result, _, check = release(project, instance, report_json(3.0, 3.5, export_sha256=first, beside=beside))
         assert not result.success and check is None
         assert "is not of the export now at" in str(result.failure_data_for_node("drafter_release").error.message)
 
         # A better one replaces it.
         better = write_export(store, 3.0)
-        result, meta, check = release(project, instance, report(2.4, 2.9, export_sha256=better, beside=beside))
+        result, meta, check = release(project, instance, report_json(2.4, 2.9, export_sha256=better, beside=beside))
         assert result.success and check.passed and meta["promoted"].value is True
         assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 3.0}\n'
         assert store.read_json(f"{RELEASE_DIR}/release.json")["replaced"] == {"k3": 2.1, "k7": 2.6}
@@ -115,7 +126,7 @@ def test_an_export_serving_at_acceptance_one_is_never_released_even_first(tmp_pa
     store = ArtifactStore(tmp_path / "store")
     with DagsterInstance.ephemeral() as instance:
         digest = write_export(store, 0.0)
-        result, meta, check = release(Project(tiny_settings(), store), instance, report(k3, 1.0, export_sha256=digest))
+        result, meta, check = release(Project(tiny_settings(), store), instance, report_json(k3, 1.0, export_sha256=digest))
     assert not result.success and not check.passed and meta["promoted"].value is False
     assert not store.exists(RELEASE_DIR)
 
@@ -132,7 +143,7 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
     with DagsterInstance.ephemeral() as instance:
         made_target(store, "target-a")
         first = write_export(store, 1.0)
-        result, _, _ = release(project, instance, report(3.0, 4.0, export_sha256=first))
+        result, _, _ = release(project, instance, report_json(3.0, 4.0, export_sha256=first))
         assert result.success and store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
         assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
 
@@ -147,13 +158,13 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
         assert lines == [f"drafter_eval: {other}: not served beside the new export"]
         # ... one whose drafts are not accepted releases nothing, and says nothing is released for this target ...
         zeroed = write_export(store, 0.0)
-        result, meta, check = release(project, instance, report(1.0, 1.0, export_sha256=zeroed))
+        result, meta, check = release(project, instance, report_json(1.0, 1.0, export_sha256=zeroed))
         assert not result.success and not check.passed
         assert check.description.endswith(f"never released; {other}: nothing is released for this target")
         assert store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
         # ... and one that serves, even below the old target's figures, is its first release and replaces it.
         second = write_export(store, 2.0)
-        result, meta, check = release(project, instance, report(1.5, 1.6, export_sha256=second))
+        result, meta, check = release(project, instance, report_json(1.5, 1.6, export_sha256=second))
         assert result.success and check.passed
         assert meta["reason"].value == f"first release: k=3 1.500, k=7 1.600; {other}: replaced"
         assert "released_k3" not in meta

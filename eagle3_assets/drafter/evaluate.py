@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.errors import EvaluationError
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.release import (
     RELEASE_DIR,
@@ -60,7 +61,6 @@ from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
 
-EVAL_REPORT_FILE = "drafter_eval/report.json"
 REFERENCE = "reference"
 
 

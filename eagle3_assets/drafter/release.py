@@ -21,8 +21,8 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.errors import Refusal
 from eagle3_assets.provenance import read_record
@@ -43,16 +43,6 @@ class Decision:
     reason: str
     candidate: dict[str, float]  # "k3" -> mean acceptance length of the new export
     released: dict[str, float] | None  # the released drafter's, served beside it; None when nothing is released
-
-
-def acceptance_of(figures: dict[str, Any]) -> dict[str, float]:
-    """"k3" -> mean acceptance length, from a report (or a drafter served beside) in `EvalReport.as_metadata` form."""
-    prefix = "mean_acceptance_length_k"
-    return {
-        f"k{name[len(prefix):]}": float(v)
-        for name, v in figures.items()
-        if name.startswith(prefix) and name[len(prefix) :].isdigit()
-    }
 
 
 def target_version(store: ArtifactStore) -> str:
@@ -77,14 +67,14 @@ def other_target(store: ArtifactStore, target: str) -> str | None:
     )
 
 
-def release_decision(report: dict[str, Any], released: dict[str, float] | None, min_acceptance: float) -> Decision:
+def release_decision(report: ServedReport, released: dict[str, float] | None, min_acceptance: float) -> Decision:
     """Whether the export `report` evaluated replaces the released drafter (module docstring)."""
-    new = acceptance_of(report)
+    new = report.export.acceptance
 
     def decision(promote: bool, reason: str) -> Decision:
         return Decision(promote, reason, new, released)
 
-    if not report.get("outputs_match_greedy", False):
+    if not report.export.outputs_match_greedy:
         return decision(False, "the new export changed the greedy output under speculative decoding: never released")
     if low := [k for k, v in new.items() if v < min_acceptance]:
         k = low[0]
@@ -115,12 +105,12 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
     return hashlib.sha256(store.read_bytes(f"{rel}/model.safetensors")).hexdigest()
 
 
-def decide(store: ArtifactStore, report: dict[str, Any], target: str, min_acceptance: float) -> Decision:
+def decide(store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float) -> Decision:
     """`release_decision` on the report of the export now in the store, against the drafter released for `target`
     (nothing released for it: a first release, which replaces a release of another target, saying so)."""
-    if report.get("export_sha256") != export_digest(store):
+    if report.export_sha256 != export_digest(store):
         raise NotComparable(
-            f"the drafter_eval report ({report.get('export_sha256', 'no digest')}) is not of the export now at "
+            f"the drafter_eval report ({report.export_sha256 or 'no digest'}) is not of the export now at "
             f"{store.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
         )
     other = other_target(store, target)
@@ -131,23 +121,23 @@ def decide(store: ArtifactStore, report: dict[str, Any], target: str, min_accept
     return decision
 
 
-def released_figures(store: ArtifactStore, report: dict[str, Any]) -> dict[str, float] | None:
+def released_figures(store: ArtifactStore, report: ServedReport) -> dict[str, float] | None:
     """The released drafter's acceptance served beside the new export (`report`), None when nothing is released."""
     if not store.exists(RELEASE_RECORD):
         return None
-    beside = report.get("beside", {}).get(RELEASED)
+    beside = report.beside.get(RELEASED)
     if beside is None:
         raise NotComparable(
             f"a drafter is released ({store.url_of(RELEASE_DIR)}) but the drafter_eval report has no figures of it "
             "served beside the new export: rematerialize drafter_eval, which serves both"
         )
-    if not beside.get("outputs_match_greedy", False):
+    if not beside.outputs_match_greedy:
         # The released drafter no longer serves greedily (e.g. another engine): any working export beats it.
-        return {k: 1.0 for k in acceptance_of(beside)}
-    return acceptance_of(beside)
+        return {k: 1.0 for k in beside.acceptance}
+    return beside.acceptance
 
 
-def promote(store: ArtifactStore, decision: Decision, report: dict[str, Any], target: str) -> str:
+def promote(store: ArtifactStore, decision: Decision, report: ServedReport, target: str) -> str:
     """Copy the export to `drafter/release/` with the figures it was released on and the version of the target
     it was released for; returns the release's URL."""
     with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
@@ -159,8 +149,8 @@ def promote(store: ArtifactStore, decision: Decision, report: dict[str, Any], ta
             "replaced": decision.released,
             "reason": decision.reason,
             "export": store.url_of(EXPORT_DIR),
-            "export_sha256": report["export_sha256"],
-            "report": {k: report[k] for k in ("prompts", "max_tokens", "prompts_file", "engine") if k in report},
+            "export_sha256": report.export_sha256,
+            "report": report.about,
         }
         (Path(tmp) / "release.json").write_text(json.dumps(record, indent=2) + "\n")
         store.put_dir(tmp, RELEASE_DIR)

@@ -26,7 +26,8 @@ from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
-from eagle3_assets.drafter.evaluate import EVAL_REPORT_FILE, evaluate_drafter
+from eagle3_assets.drafter.eval_report import ServedReport
+from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.release import RELEASE_DIR, decide, promote, target_version
 from eagle3_assets.project import Project
@@ -123,10 +124,8 @@ def drafter_release(project: ResourceParam[Project]) -> MaterializeResult:
     store = project.store
     with failures():
         want = Staleness(project).expected("drafter_release")
-    if not store.exists(EVAL_REPORT_FILE):
-        raise refusal(f"no drafter_eval report at {store.url_of(EVAL_REPORT_FILE)}: materialize drafter_eval first")
-    report = store.read_json(EVAL_REPORT_FILE)
     with failures():
+        report = ServedReport.read(store)
         target = target_version(store)
         decision = decide(store, report, target, project.settings.evaluation.release_min_acceptance)
         if decision.promote:
