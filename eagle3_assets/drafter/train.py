@@ -39,14 +39,10 @@ from eagle3_assets.drafter.checkpoint import (
 from eagle3_assets.drafter.data import (
     Batch,
     BatchLoader,
-    DataError,
     DataPosition,
     SampleFormat,
     SampleRef,
     heldout_batches,
-    index_samples,
-    require_complete_shards,
-    split_heldout,
 )
 from eagle3_assets.drafter.distributed import (
     DistEnv,
@@ -57,18 +53,31 @@ from eagle3_assets.drafter.distributed import (
     pick_device,
 )
 from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.drafter.fingerprint import (
+    differences,
+    run_fingerprint,
+    with_settings_added_later,
+)
 from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.drafter.rolling import RollingLoader, RollingPlan, ShardWindow
-from eagle3_assets.drafter.selection import Evaluation, best_index, save_best, stops_early
-from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
+from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
+from eagle3_assets.drafter.selection import (
+    Evaluation,
+    best_index,
+    save_best,
+    stops_early,
+)
+from eagle3_assets.drafter.sources import ShardEventCallback, offline_data, rolling_data
+from eagle3_assets.drafter.target_head import (
+    TargetHead,
+    TargetWeights,
+    load_target_weights,
+)
 from eagle3_assets.drafter.tensorboard import TensorBoard
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
-from eagle3_assets.artifacts import TRAINING_VOLATILE
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
-from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VocabMap, vocab_map_problems
 
 ADAM_BETA1 = 0.9
@@ -76,9 +85,6 @@ ADAM_BETA1 = 0.9
 MetricsCallback = Callable[[int, dict[str, float]], None]
 LogFn = Callable[[str], None]
 OtherRun = Literal["fresh", "refuse"]  # what to do with a checkpoint another run made
-ShardEventCallback = Callable[[dict], None]
-# Rolling mode: how often a rank looks in the store for the next shard's check record.
-SHARD_POLL_S = 2.0
 
 
 class NonFiniteLossError(TrainingError):
@@ -189,64 +195,6 @@ class TrainResult:
         """The evaluation with the highest estimate (`selection.py`)."""
         i = best_index(self.evaluations)
         return None if i is None else self.evaluations[i]
-
-
-def run_fingerprint(
-    settings: TrainingSettings,
-    shard_keys: Sequence[str],
-    num_train: int,
-    num_heldout: int,
-    world_size: int,
-    total_steps: int,
-    inputs: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """What a checkpoint must agree on to be resumed: the data plan, the schedule and the versions of the data
-    (`inputs`: the target, tokenized rows and vocab map it trains on, docs/DESIGN.md §9)."""
-    s = settings.model_dump()
-    for volatile in TRAINING_VOLATILE:
-        s.pop(volatile)
-    return {
-        "inputs": dict(inputs or {}),
-        "settings": s,
-        "shards": list(shard_keys),
-        "train_samples": num_train,
-        "heldout_samples": num_heldout,
-        "world_size": world_size,
-        "total_steps": total_steps,
-    }
-
-
-# Settings added after runs were first checkpointed, with the behaviour runs had before them:
-# a checkpoint without one of these keys ran that way, and resumes when the setting asks for it.
-SETTINGS_ADDED_LATER: dict[str, Any] = {
-    "norm_before_fc": False,
-    "norm_before_residual": False,
-    "norm_output": False,
-    "train_lm_head": True,
-    "loss": "soft_ce",
-    "loss_positions": "predicted",
-    "adam_beta2": 0.95,
-    "batch_order": "by_length",
-    "mode": "offline",
-    "sample_ledger": False,
-}
-
-
-def with_settings_added_later(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """A saved run fingerprint with the behaviour of settings it predates filled in (a checkpoint from before
-    inputs were recorded has none: its data is unknown, so it resumes no run that names its inputs)."""
-    return {"inputs": {}, **fingerprint, "settings": SETTINGS_ADDED_LATER | fingerprint.get("settings", {})}
-
-
-def _diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(saved) | set(now)):
-        a, b = saved.get(k), now.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
-    return out
 
 
 def _check_inputs(fmt: SampleFormat, target: TargetModel, vmap: VocabMap) -> None:
@@ -450,58 +398,6 @@ def heldout_line(heldout: dict[str, float], ttt_steps: int) -> str:
     )
 
 
-def _offline_data(
-    store: ArtifactStore, shard_keys: Sequence[str], settings: TrainingSettings, env: DistEnv, data_workers: int
-) -> tuple[SampleFormat, BatchLoader, list[SampleRef]]:
-    """Every shard on disk: all samples indexed from their headers, held-out rows drawn from all of them."""
-    require_complete_shards(store, shard_keys)
-    samples, fmt = index_samples(store, shard_keys)
-    train_samples, held = (samples, [])
-    if settings.heldout_rows:
-        train_samples, held = split_heldout(samples, settings.heldout_rows, settings.seed)
-    loader = BatchLoader(
-        store, train_samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
-        rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
-    )  # fmt: skip
-    return fmt, loader, held
-
-
-def _rolling_data(
-    store: ArtifactStore,
-    shard_keys: Sequence[str],
-    settings: TrainingSettings,
-    env: DistEnv,
-    data_workers: int,
-    *,
-    log: LogFn,
-    on_shard: ShardEventCallback | None,
-) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow]:
-    """One pass planned from the tokenized set; the first shard (once checked) decides the format."""
-    plan = RollingPlan.from_tokenized(
-        TokenizedSet.load(store), shard_keys, heldout_rows=settings.heldout_rows, seed=settings.seed
-    )
-    window = ShardWindow(
-        store, plan, env.is_main, poll_s=SHARD_POLL_S, wait_s=settings.shard_wait_s, log=log, on_event=on_shard
-    )
-    fmt = window.wait_for(0)
-
-    def ready(k: int) -> None:
-        f = window.wait_for(k)
-        if (f.hidden_size, f.aux_layer_ids) != (fmt.hidden_size, fmt.aux_layer_ids):
-            raise DataError(
-                f"shard {plan.keys[k]}: hidden size {f.hidden_size}, aux layers {list(f.aux_layer_ids)} differ from "
-                f"{plan.keys[0]} ({fmt.hidden_size}, {list(fmt.aux_layer_ids)}): the shards were extracted with "
-                "different settings"
-            )
-        window.started(k)
-
-    loader = RollingLoader(
-        store, plan, batch_tokens=settings.batch_tokens, seed=settings.seed, rank=env.rank,
-        world_size=env.world_size, order=settings.batch_order, workers=data_workers, wait_for=ready,
-    )  # fmt: skip
-    return fmt, loader, list(plan.heldout), window
-
-
 def _prepare(
     store: ArtifactStore,
     shard_keys: Sequence[str],
@@ -519,11 +415,11 @@ def _prepare(
 ) -> _Run:
     window = None
     if settings.rolling:
-        fmt, loader, held, window = _rolling_data(
+        fmt, loader, held, window = rolling_data(
             store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard
         )
     else:
-        fmt, loader, held = _offline_data(store, shard_keys, settings, env, data_workers)
+        fmt, loader, held = offline_data(store, shard_keys, settings, env, data_workers)
     _check_inputs(fmt, target, vmap)
     weights = load_target_weights(target)
     cfg = DrafterConfig.from_target(
@@ -563,7 +459,7 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     if rel is None:
         return 0, DataPosition(), "", {}
     saved = read_checkpoint_state(run.store, rel)
-    if diffs := _diff(with_settings_added_later(saved.run), run.fingerprint):
+    if diffs := differences(with_settings_added_later(saved.run), run.fingerprint):
         where = run.store.url_of(CHECKPOINTS_DIR)
         if other_run == "fresh" and run.window is None:
             barrier()  # every rank has read the checkpoint's state before rank 0 removes it
@@ -591,6 +487,31 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
         # A kill after a shard's last checkpoint may have left its record or its release undone.
         run.window.reconcile(pos.epoch, run.loader.steps_before)
     return ck.step, pos, rel, dict(ck.state.get("metrics") or {})
+
+
+def _announce(run: _Run, log: LogFn) -> None:
+    """What a fresh run is about to do, and whether it is too short to learn."""
+    n_tokens = sum(s.length for s in run.loader.samples)
+    log(
+        f"drafter: {len(run.loader.samples)} training samples ({n_tokens} tokens), {len(run.heldout)} held out; "
+        f"{run.total_steps} steps on {run.device} x{run.env.world_size}; aux layers {list(run.fmt.aux_layer_ids)}"
+    )
+    if warning := short_run_warning(run.settings, run.total_steps):
+        log(warning)
+
+
+def _final_heldout(
+    run: _Run, step: int, *, tb: TensorBoard | None, on_eval: MetricsCallback | None, log: LogFn
+) -> dict[str, float]:
+    """The held-out figures at the run's last step: evaluated as it trained, unless the checkpoint predates
+    evaluations."""
+    last = run.evals[-1] if run.evals else {}
+    heldout = {k: v for k, v in last.items() if k != "step"} if last.get("step") == step else {}
+    if not heldout:
+        heldout = {k: v for k, v in run.evaluation(step, tb=tb, on_eval=on_eval, log=log).items() if k != "step"}
+    if run.env.is_main:
+        log(f"drafter: held-out ({len(run.heldout)} rows) {heldout_line(heldout, run.settings.ttt_steps)}")
+    return heldout
 
 
 def train_drafter(
@@ -638,13 +559,7 @@ def train_drafter(
             run.evals = list(read_checkpoint_state(store, ckpt_rel).state.get("evals") or [])
         stopped_early = step < run.total_steps and stops_early(run.evals, settings.early_stop_evals)
         if env.is_main and not ckpt_rel:
-            n_tokens = sum(s.length for s in run.loader.samples)
-            log(
-                f"drafter: {len(run.loader.samples)} training samples ({n_tokens} tokens), {len(run.heldout)} held out; "
-                f"{run.total_steps} steps on {device} x{env.world_size}; aux layers {list(run.fmt.aux_layer_ids)}"
-            )
-            if warning := short_run_warning(settings, run.total_steps):
-                log(warning)
+            _announce(run, log)
         stop_at = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
         tb = TensorBoard(store, step) if env.is_main else None
         heldout: dict[str, float] = {}
@@ -656,14 +571,7 @@ def train_drafter(
                 )
                 stopped_early = step < run.total_steps and stops_early(run.evals, settings.early_stop_evals)
             if (step >= run.total_steps or stopped_early) and run.heldout:
-                last = run.evals[-1] if run.evals else {}
-                # The last step was evaluated as it trained, unless the checkpoint predates evaluations.
-                heldout = {k: v for k, v in last.items() if k != "step"} if last.get("step") == step else {}
-                if not heldout:
-                    heldout = run.evaluation(step, tb=tb, on_eval=on_eval, log=log)
-                    heldout = {k: v for k, v in heldout.items() if k != "step"}
-                if env.is_main:
-                    log(f"drafter: held-out ({len(run.heldout)} rows) {heldout_line(heldout, settings.ttt_steps)}")
+                heldout = _final_heldout(run, step, tb=tb, on_eval=on_eval, log=log)
         finally:
             if tb is not None:
                 tb.close()

@@ -197,24 +197,33 @@ def preflight_disk(
     return f"disk preflight ok: needs {_gb(needed)} ({needed:,} bytes), free {_gb(free)} ({free:,} bytes)"
 
 
-def _manifest(
-    shard: Shard,
+def _final_manifest(
+    store: ArtifactStore,
+    tokenized: TokenizedSet,
+    plan: ShardPlan,
     spec: SampleSpec,
     backend: str,
+    tally: _Tally,
     *,
-    tokens: int,
-    bytes_: int,
-    computed: int,
-    skipped: int,
     seconds: float,
 ) -> ShardManifest:
-    return ShardManifest(
-        format=FORMAT, shard=shard.key, row_start=shard.start, row_end=shard.end, rows=len(shard), tokens=tokens,
-        bytes=bytes_, aux_layer_ids=tuple(spec.aux_layer_ids), hidden_size=spec.hidden_size, dtype=spec.dtype,
+    """The shard's manifest, written last. When nothing was redone, the manifest of the run that made these files
+    still tells the truth and is kept."""
+    shard = plan.shard
+    if not plan.todo and manifest_problem(store, tokenized, shard, spec) is None:
+        kept = ShardManifest.read(store, shard.key)
+        if kept is not None:
+            return kept
+    manifest = ShardManifest(
+        format=FORMAT, shard=shard.key, row_start=shard.start, row_end=shard.end, rows=len(shard),
+        tokens=tally.tokens_total, bytes=tally.bytes_present + tally.bytes_written,
+        aux_layer_ids=tuple(spec.aux_layer_ids), hidden_size=spec.hidden_size, dtype=spec.dtype,
         last_hidden_state_norm=spec.last_hidden_state_norm, model=spec.model or "", backend=backend,
-        rows_computed=computed, rows_skipped=skipped, seconds=round(seconds, 3),
+        rows_computed=tally.computed, rows_skipped=tally.rows_skipped, seconds=round(seconds, 3),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
+    manifest.write(store)
+    return manifest
 
 
 @dataclass
@@ -453,37 +462,14 @@ def run_shard(
     if on_progress is not None:
         on_progress(tally.progress(t_end, free=free_now(), final=True))
     total_bytes = tally.bytes_present + tally.bytes_written
-    if not plan.todo and manifest_problem(store, tokenized, shard, spec) is None:
-        # Nothing redone: the manifest of the run that made these files still tells the truth.
-        manifest = ShardManifest.read(store, key)
-    else:
-        manifest = _manifest(
-            shard,
-            spec,
-            extractor.backend,
-            tokens=tally.tokens_total,
-            bytes_=total_bytes,
-            computed=tally.computed,
-            skipped=tally.rows_skipped,
-            seconds=t_end - plan.started,
-        )
-        manifest.write(store)
+    manifest = _final_manifest(store, tokenized, plan, spec, extractor.backend, tally, seconds=t_end - plan.started)
     notes = plan.notes + ([f"{extractor.backend} backend wrote each file itself (one write per sample)"] if direct else [])
     return ShardResult(
-        shard=key,
-        rows_total=len(shard),
-        rows_skipped=tally.rows_skipped,
-        rows_computed=tally.computed,
-        tokens=tally.tokens_total,
-        tokens_computed=tally.tokens_computed,
-        bytes=total_bytes,
-        bytes_written=tally.bytes_written,
-        seconds=t_end - plan.started,
-        temporaries_removed=plan.temporaries_removed,
-        repaired=plan.repaired,
-        notes=notes,
-        manifest=manifest,
-    )
+        shard=key, rows_total=len(shard), rows_skipped=tally.rows_skipped, rows_computed=tally.computed,
+        tokens=tally.tokens_total, tokens_computed=tally.tokens_computed, bytes=total_bytes,
+        bytes_written=tally.bytes_written, seconds=t_end - plan.started, temporaries_removed=plan.temporaries_removed,
+        repaired=plan.repaired, notes=notes, manifest=manifest,
+    )  # fmt: skip
 
 
 def extract_shard(

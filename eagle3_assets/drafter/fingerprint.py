@@ -1,0 +1,70 @@
+"""What a checkpoint must agree on to be resumed: the run's fingerprint, saved in every checkpoint
+(`drafter/train.py`). A checkpoint whose fingerprint differs from this run's belongs to another run, and what differs
+is named leaf by leaf."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from eagle3_assets.artifacts import TRAINING_VOLATILE
+from eagle3_assets.settings import TrainingSettings
+
+
+def run_fingerprint(
+    settings: TrainingSettings,
+    shard_keys: Sequence[str],
+    num_train: int,
+    num_heldout: int,
+    world_size: int,
+    total_steps: int,
+    inputs: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """What a checkpoint must agree on to be resumed: the data plan, the schedule and the versions of the data
+    (`inputs`: the target, tokenized rows and vocab map it trains on, docs/DESIGN.md §9)."""
+    s = settings.model_dump()
+    for volatile in TRAINING_VOLATILE:
+        s.pop(volatile)
+    return {
+        "inputs": dict(inputs or {}),
+        "settings": s,
+        "shards": list(shard_keys),
+        "train_samples": num_train,
+        "heldout_samples": num_heldout,
+        "world_size": world_size,
+        "total_steps": total_steps,
+    }
+
+
+# Settings added after runs were first checkpointed, with the behaviour runs had before them:
+# a checkpoint without one of these keys ran that way, and resumes when the setting asks for it.
+SETTINGS_ADDED_LATER: dict[str, Any] = {
+    "norm_before_fc": False,
+    "norm_before_residual": False,
+    "norm_output": False,
+    "train_lm_head": True,
+    "loss": "soft_ce",
+    "loss_positions": "predicted",
+    "adam_beta2": 0.95,
+    "batch_order": "by_length",
+    "mode": "offline",
+    "sample_ledger": False,
+}
+
+
+def with_settings_added_later(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """A saved run fingerprint with the behaviour of settings it predates filled in (a checkpoint from before
+    inputs were recorded has none: its data is unknown, so it resumes no run that names its inputs)."""
+    return {"inputs": {}, **fingerprint, "settings": SETTINGS_ADDED_LATER | fingerprint.get("settings", {})}
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """Each leaf where a saved fingerprint and this run's differ, as "settings.lr: checkpoint 0.0001, now 0.0003"."""
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
+    return out
