@@ -73,7 +73,7 @@ class ExtractionSettings(_Section):
     @field_validator("backfill_cron")
     @classmethod
     def _cron(cls, cron: str) -> str:
-        # Dagster's own parser: the one the automation condition will run it through.
+        # Dagster's own parser, the one the automation condition will run it through: it has no public name.
         from dagster._utils.schedules import is_valid_cron_string
 
         if not is_valid_cron_string(cron):

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -51,15 +52,9 @@ from dagster import (
     Definitions,
     evaluate_automation_conditions,
 )
-from dagster._core.storage.tags import (
-    MAX_RETRIES_TAG,  # the run tag Dagster's run retries read; no public name
-)
-from dagster._core.utils import (
-    make_new_run_id,  # a run id known before the run, for its process tags
-)
 
 from eagle3_assets.defs.drafter.assets import DRAFTER, DRAFTER_RELEASE, drafter_eval
-from eagle3_assets.defs.ops.runs import process_tags, sweep_dead_runs
+from eagle3_assets.defs.ops.runs import MAX_RETRIES_TAG, process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import (
     UnknownShardKey,
     registered_shard_keys,
@@ -183,7 +178,7 @@ class GraphStart:
         # so a later sweep (this command again, the daemon) can fail it if this process is killed.
         # This command retries its own runs (run it again): the instance's run_retries relaunching
         # one from the daemon would put a second owner beside it.
-        run_id = make_new_run_id()
+        run_id = str(uuid.uuid4())  # known before the run starts: its process tags name it
         result = self.job.execute_in_process(
             instance=self.instance,
             asset_selection=keys,

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dagster import Failure
-from dagster._core.errors import DagsterExecutionInterruptedError
+from dagster import DagsterExecutionInterruptedError, Failure
 
 from eagle3_assets.errors import Eagle3Error
 

@@ -25,14 +25,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dagster import DagsterEvent, ExecutorDefinition
-from dagster._core.errors import DagsterExecutionInterruptedError
-from dagster._core.events import EngineEventData
-from dagster._core.executor.base import Executor
-from dagster._core.storage.tags import MAX_RETRIES_TAG
+from dagster import (
+    DagsterEvent,
+    DagsterExecutionInterruptedError,
+    Executor,
+    ExecutorDefinition,
+)
+from dagster._core.events import EngineEventData  # DagsterEvent.engine_event requires one; it is not public
 
 from eagle3_assets.defs.failures import REFUSAL, refusal
-from eagle3_assets.defs.ops.runs import GPU_POOL, pool_holders, pool_limit, record_run_process, sweep_dead_runs
+from eagle3_assets.defs.ops.runs import (
+    GPU_POOL,
+    MAX_RETRIES_TAG,
+    pool_holders,
+    pool_limit,
+    record_run_process,
+    sweep_dead_runs,
+)
 from eagle3_assets.settings import Settings
 
 
@@ -70,9 +79,8 @@ class RunStartSweep(Executor):
         servers = self.settings.vllm.server_urls
         if len(servers) > 1 and self.settings.extraction.backend == "vllm" and pool_limit(instance) != len(servers):
             instance.event_log_storage.set_concurrency_slots(GPU_POOL, len(servers))
-            yield DagsterEvent.engine_event(
-                plan_context, f"{GPU_POOL} pool limit set to {len(servers)}: one shard run per vLLM server", EngineEventData()
-            )
+            line = f"{GPU_POOL} pool limit set to {len(servers)}: one shard run per vLLM server"
+            yield DagsterEvent.engine_event(plan_context, line, EngineEventData())
         limit = pool_limit(instance)
         if limit is None:
             _never_relaunch(instance, plan_context.run_id)

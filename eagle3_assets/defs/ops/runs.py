@@ -26,6 +26,8 @@ from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 
 from eagle3_assets.processes import machine_id, process_alive, process_started_at
 
+# The run tag Dagster's run retries read (documented under "Run retries"; its constant is not public).
+MAX_RETRIES_TAG = "dagster/max_retries"
 PID_TAG = "eagle3/pid"
 STALL_TAG = "eagle3/stall"  # "stalled" or "process_gone": the alert for it was sent
 PID_STARTED_TAG = "eagle3/pid_started"  # epoch seconds: tells a reused pid from the recorded process

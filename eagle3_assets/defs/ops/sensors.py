@@ -60,7 +60,7 @@ def pids_are_local(instance: DagsterInstance) -> bool:
     With PostgreSQL, runs may be launched from another machine, where a pid means nothing
     here; a k8s launcher has its own health check (run monitoring). Stalls are still seen.
     """
-    from dagster._core.storage.runs import SqliteRunStorage
+    from dagster._core.storage.runs import SqliteRunStorage  # which storage an instance has: no public type to ask
 
     return isinstance(instance.run_launcher, DefaultRunLauncher) and isinstance(instance.run_storage, SqliteRunStorage)
 
