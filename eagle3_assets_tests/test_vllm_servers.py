@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.defs.shards.leases import lease_key
+from eagle3_assets.defs.shards.server_slots import slot_key
 from eagle3_assets.hidden_states.integrity import check_shard
 from eagle3_assets.settings import ExtractionSettings, VllmSettings
 from eagle3_assets.shards import Shard
@@ -89,8 +89,8 @@ def test_two_servers_extract_two_shards_at_once_each_row_once(tmp_path, tiny_tar
         with op.instance() as instance:
             storage = instance.event_log_storage
             for url in urls:
-                storage.set_concurrency_slots(lease_key(url), 1)
-                assert storage.claim_concurrency_slot(lease_key(url), HOLDER, url).is_claimed
+                storage.set_concurrency_slots(slot_key(url), 1)
+                assert storage.claim_concurrency_slot(slot_key(url), HOLDER, url).is_claimed
             runs = {key: op.materialize("hidden_states", key) for key in ("rows_0-20", "rows_20-40")}
             wait_until_both_wait_for_a_server(instance, runs, deadline=time.monotonic() + 900)
             for url in urls:

@@ -19,7 +19,7 @@ from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
 from eagle3_assets.defs.provenance import Staleness, materialized
-from eagle3_assets.defs.shards.leases import server_lease
+from eagle3_assets.defs.shards.server_slots import server_slot
 from eagle3_assets.hidden_states import open_extractor
 from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
 from eagle3_assets.leases import Lease
@@ -87,7 +87,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
             if result is None:
                 urls = settings.vllm.extraction_urls
                 if settings.extraction.backend == "vllm" and len(urls) > 1:
-                    lease = server_lease(context.instance, context.run_id, context.op_handle.name, urls, log=context.log.info)
+                    lease = server_slot(context.instance, context.run_id, context.op_handle.name, urls, log=context.log.info)
                     url = stack.enter_context(lease)
                     context.log.info(f"shard {shard.key}: extracting through the vLLM server at {url}")
                 elif urls:

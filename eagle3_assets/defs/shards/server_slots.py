@@ -1,6 +1,7 @@
 """Several vLLM extraction servers: each shard run holds one of them for as long as it runs.
 
-A lease is a Dagster concurrency slot of one per server (key `vllm-server:<url>`),
+Its hold is a Dagster concurrency slot of one per server (key `vllm-server:<url>`), not a store lease
+(`leases.py`, one owner of a store directory),
 claimed under this run, so it is atomic on every instance storage (SQLite on one node,
 PostgreSQL across nodes) and it is freed with the run's other slots when the run ends
 or dies (`runs.sweep_dead_runs`, run monitoring). The `gpu` pool limit equals the number
@@ -16,15 +17,15 @@ from contextlib import contextmanager
 
 from dagster import DagsterInstance
 
-LEASE_PREFIX = "vllm-server:"
+SLOT_PREFIX = "vllm-server:"
 
 
-def lease_key(url: str) -> str:
-    return f"{LEASE_PREFIX}{url}"
+def slot_key(url: str) -> str:
+    return f"{SLOT_PREFIX}{url}"
 
 
 @contextmanager
-def server_lease(
+def server_slot(
     instance: DagsterInstance,
     run_id: str,
     step_key: str,
@@ -36,15 +37,15 @@ def server_lease(
     """The URL of a server no other run holds, held until the block ends."""
     storage = instance.event_log_storage
     for url in urls:
-        if storage.get_concurrency_info(lease_key(url)).slot_count != 1:
-            storage.set_concurrency_slots(lease_key(url), 1)
+        if storage.get_concurrency_info(slot_key(url)).slot_count != 1:
+            storage.set_concurrency_slots(slot_key(url), 1)
     waited = 0.0
     while True:
         for url in urls:
             # One step key per server: freeing a lost claim removes just its queue entry, not the
             # step's `gpu` pool slot, which is held under the plain step key.
             claim = f"{step_key}@{url}"
-            if storage.claim_concurrency_slot(lease_key(url), run_id, claim).is_claimed:
+            if storage.claim_concurrency_slot(slot_key(url), run_id, claim).is_claimed:
                 try:
                     yield url
                 finally:
@@ -52,7 +53,7 @@ def server_lease(
                 return
             storage.free_concurrency_slot_for_step(run_id, claim)
         if waited == 0.0 or waited % 60 < poll_s:
-            held = {u: [s.run_id for s in storage.get_concurrency_info(lease_key(u)).claimed_slots] for u in urls}
+            held = {u: [s.run_id for s in storage.get_concurrency_info(slot_key(u)).claimed_slots] for u in urls}
             log(f"all {len(urls)} vLLM servers are held ({held}); waiting for one to be free")
         time.sleep(poll_s)
         waited += poll_s
