@@ -4,10 +4,18 @@ The root is any fsspec URL (`/data/eagle3`, `file:///data/eagle3`, `memory://run
 `s3://bucket/eagle3`). Writes are atomic (docs/DESIGN.md §2): bytes go to a temporary name
 in the same directory and are renamed into place, so a crash never leaves a file
 that looks complete. Temporary names start with a dot and are never listed.
+
+A directory (a checkpoint, the export, the release) is replaced as one step too (`put_dir`). On a local
+disk the new one is swapped in by one `renameat2(RENAME_EXCHANGE)`. Where no such rename exists (object
+stores, some network filesystems) the complete new copy is uploaded first, then an intent beside the
+directory names it, and only then is the old one replaced; a writer killed after the intent leaves a
+replacement that `settle` finishes from the complete copy. A kill at any point leaves a complete copy:
+the old one before the intent, the new one after it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import glob
 import hashlib
@@ -24,9 +32,13 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.errors import Eagle3Error, Refusal
 
 TMP_MARK = ".tmp-"
+INTENT_SUFFIX = ".replacing.json"  # `.<name>.replacing.json` beside a directory being replaced
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 # A full disk, a read-only store, a write not permitted: a retry meets the same wall.
 REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -47,6 +59,23 @@ def write_error(what: str, e: OSError, free: int | None = None) -> StoreError:
 
 def _is_tmp(name: str) -> bool:
     return name.startswith(".") and TMP_MARK in name
+
+
+def _hidden(name: str) -> bool:
+    return _is_tmp(name) or (name.startswith(".") and name.endswith(INTENT_SUFFIX))
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap two local paths in one atomic rename; False where the filesystem (or the platform) cannot."""
+    renameat2 = getattr(_LIBC, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 class ArtifactStore:
@@ -100,7 +129,7 @@ class ArtifactStore:
         if not self.fs.exists(p):
             return []
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(p, detail=False)]
-        return sorted(n for n in names if not _is_tmp(n))
+        return sorted(n for n in names if not _hidden(n))
 
     def sizes(self, rel: str) -> dict[str, int]:
         """Each file directly under `rel` (temporaries excluded) by name, with its size: one listing. Missing dir -> {}."""
@@ -108,7 +137,7 @@ class ArtifactStore:
         if not self.fs.exists(p):
             return {}
         entries = ((e["name"].rstrip("/").rsplit("/", 1)[-1], e) for e in self.fs.ls(p, detail=True))
-        return {n: int(e["size"]) for n, e in entries if e["type"] == "file" and not _is_tmp(n)}
+        return {n: int(e["size"]) for n, e in entries if e["type"] == "file" and not _hidden(n)}
 
     def read_bytes(self, rel: str) -> bytes:
         try:
@@ -194,6 +223,7 @@ class ArtifactStore:
         p = self.path(rel_dir)
         if not self.fs.exists(p):
             return 0
+        self.settle_all(rel_dir)  # a replacement's complete copy is not a leftover: finish it first
         stale = [e for e in self.fs.ls(p, detail=False) if _is_tmp(e.rstrip("/").rsplit("/", 1)[-1])]
         for e in stale:
             self.fs.rm(e, recursive=True)
@@ -201,21 +231,72 @@ class ArtifactStore:
 
     # -- directories (model checkpoints, exports) --------------------------
     def put_dir(self, local_dir: str | os.PathLike[str], rel: str) -> None:
-        """Copy a local directory to `rel`, replacing it; the new content appears by one rename."""
+        """Copy a local directory to `rel`, replacing it as one step (module docstring): a kill at any point leaves
+        the old directory or the new one, complete."""
+        self.settle(rel)
         self._makedirs_for(rel)
-        tmp = self._tmp_name(rel)
+        tmp, intent = self._tmp_name(rel), None
         try:
             self.fs.put(str(local_dir).rstrip("/") + "/", tmp, recursive=True)
+            crash_point(f"put_dir:{rel}:uploaded")
             self._guard()
-            if self.fs.exists(self.path(rel)):
-                self.fs.rm(self.path(rel), recursive=True)
-            self.fs.mv(tmp, self.path(rel), recursive=True)
+            if self.is_local and (not self.fs.exists(self.path(rel)) or exchange(tmp, self.path(rel))):
+                if self.fs.exists(tmp) and not self.fs.exists(self.path(rel)):
+                    os.rename(tmp, self.path(rel))  # nothing to replace: one rename
+                crash_point(f"put_dir:{rel}:swapped")
+                if self.fs.exists(tmp):
+                    self.fs.rm(tmp, recursive=True)  # the old directory, swapped out
+                return
+            intent = self._intent_path(rel)
+            self.fs.pipe_file(intent, json.dumps({"from": tmp.rpartition("/")[2]}).encode())
+            crash_point(f"put_dir:{rel}:intent")
+            self._roll_forward(rel, tmp, intent)
         except BaseException as e:
-            if self.fs.exists(tmp):
+            if intent is None and self.fs.exists(tmp):  # after the intent, the new copy is the one to keep
                 self.fs.rm(tmp, recursive=True)
             if isinstance(e, OSError):  # a checkpoint or an export on a full disk: a refusal naming it
                 raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
+
+    def _intent_path(self, rel: str) -> str:
+        parent, _, name = self.path(rel).rpartition("/")
+        return f"{parent}/.{name}{INTENT_SUFFIX}"
+
+    def _roll_forward(self, rel: str, tmp: str, intent: str) -> None:
+        """Replace `rel` by the complete copy `tmp` that `intent` names. The intent goes before `tmp` is touched, so
+        while it exists `tmp` is complete: a kill anywhere here is finished by `settle`."""
+        if self.fs.exists(self.path(rel)):
+            self.fs.rm(self.path(rel), recursive=True)
+        crash_point(f"put_dir:{rel}:removed")
+        if self.is_local:
+            os.rename(tmp, self.path(rel))
+        else:
+            self.fs.copy(tmp, self.path(rel), recursive=True)
+        crash_point(f"put_dir:{rel}:copied")
+        self.fs.rm(intent)
+        if self.fs.exists(tmp):
+            self.fs.rm(tmp, recursive=True)
+
+    def settle_all(self, rel_dir: str) -> int:
+        """`settle` every directory under `rel_dir` a killed writer left mid-replacement; returns how many."""
+        p = self.path(rel_dir)
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(p, detail=False)] if self.fs.exists(p) else []
+        pending = [n[1 : -len(INTENT_SUFFIX)] for n in names if n.startswith(".") and n.endswith(INTENT_SUFFIX)]
+        return sum(self.settle(f"{rel_dir}/{name}") for name in pending)
+
+    def settle(self, rel: str) -> bool:
+        """Finish a replacement of `rel` that a killed writer left after its intent; True when there was one. Called
+        by the next writer of `rel` (`put_dir`), and by a reader that owns it, before it reads."""
+        intent = self._intent_path(rel)
+        if not self.fs.exists(intent):
+            return False
+        parent = self.path(rel).rpartition("/")[0]
+        tmp = f"{parent}/{json.loads(self.fs.cat_file(intent))['from']}"
+        if self.fs.exists(tmp):
+            self._roll_forward(rel, tmp, intent)
+        else:  # the copy was in place and the intent not yet removed
+            self.fs.rm(intent)
+        return True
 
     def ensure_local_dir(self, rel: str, version: str | None = None) -> Path:
         """A local directory holding `rel`: the directory itself on a local store, else a cached copy.

@@ -179,3 +179,88 @@ def test_a_remote_target_rewritten_in_place_is_loaded_fresh_and_its_old_copy_rem
     assert torch.equal(loaded_embedding(), new) and not torch.equal(new, load_file(tiny_target_dir / "model.safetensors")["model.embed_tokens.weight"])
     assert not first.exists() and sorted(p.name for p in second.parent.iterdir()) == [second.name]
     shutil.rmtree(second.parent)
+
+
+# --- a directory replaced as one step (issue 44, item 1): killed at each step, a complete copy stays ------------
+
+REPLACE_STEPS = {  # the step killed at -> which copy a reader finds once the owner settled it
+    "uploaded": "old",  # the new copy is uploaded, nothing replaced yet
+    "swapped": "new",  # (local, one renameat2 exchange) swapped, the old one not yet removed
+    "intent": "new",  # (no exchange) the intent names the complete new copy
+    "removed": "new",  # the old directory is gone, the new one not yet in place
+    "copied": "new",  # in place, the intent not yet removed
+}
+
+
+def _put_dirs(tmp_path: Path) -> tuple[Path, Path]:
+    old, new = tmp_path / "old", tmp_path / "new"
+    for d, files in ((old, {"release.json": "old", "model.safetensors": "old weights"}), (new, {"release.json": "new", "model.safetensors": "new weights", "extra.txt": "x"})):  # fmt: skip
+        d.mkdir()
+        for name, text in files.items():
+            (d / name).write_text(text)
+    return old, new
+
+
+def _found(store: ArtifactStore) -> str:
+    """Which complete copy `drafter/release` holds after its owner settled it ("old" or "new")."""
+    store.settle("drafter/release")
+    files = {n: store.read_text(f"drafter/release/{n}") for n in store.listdir("drafter/release")}
+    if files == {"release.json": "old", "model.safetensors": "old weights"}:
+        return "old"
+    assert files == {"release.json": "new", "model.safetensors": "new weights", "extra.txt": "x"}, files
+    return "new"
+
+
+LOCAL_STEPS = [("uploaded", True), ("swapped", True), ("uploaded", False), ("intent", False), ("removed", False),
+               ("copied", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("step", "exchange"), LOCAL_STEPS, ids=[f"{s}-{'renameat2' if e else 'no-exchange'}" for s, e in LOCAL_STEPS])
+def test_a_local_directory_replacement_killed_at_any_step_leaves_a_complete_copy(tmp_path: Path, step: str, exchange: bool):
+    old, new = _put_dirs(tmp_path)
+    root = tmp_path / "root"
+    ArtifactStore(root).put_dir(old, "drafter/release")
+    script = textwrap.dedent(
+        f"""
+        from eagle3_assets import storage
+        if not {exchange}:
+            storage.exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE (NFS, some FUSE mounts)
+        storage.ArtifactStore({str(root)!r}).put_dir({str(new)!r}, "drafter/release")
+        """
+    )
+    env = {**os.environ, "EAGLE3_CRASH_AT": f"put_dir:drafter/release:{step}"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    store = ArtifactStore(root)
+    assert _found(store) == REPLACE_STEPS[step]
+    store.remove_temporaries("drafter")
+    assert sorted(p.name for p in (root / "drafter").iterdir()) == ["release"]  # nothing left beside it
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL in this process: a memory:// store lives only as long as it does."""
+
+
+@pytest.mark.parametrize("step", ["uploaded", "intent", "removed", "copied"])
+def test_an_object_store_directory_replacement_killed_at_any_step_leaves_a_complete_copy(tmp_path: Path, step: str, monkeypatch):
+    from eagle3_assets import storage
+
+    old, new = _put_dirs(tmp_path)
+    url = f"memory://replace-{uuid.uuid4().hex[:8]}"
+    ArtifactStore(url).put_dir(old, "drafter/release")
+
+    def kill_at(name: str) -> None:
+        if name == f"put_dir:drafter/release:{step}":
+            raise Killed(name)
+
+    monkeypatch.setattr(storage, "crash_point", kill_at)
+    with pytest.raises(Killed):
+        ArtifactStore(url).put_dir(new, "drafter/release")
+    monkeypatch.undo()
+    store = ArtifactStore(url)
+    assert _found(store) == REPLACE_STEPS[step]
+    store.remove_temporaries("drafter")
+    assert store.fs.ls(store.path("drafter"), detail=False) == [store.path("drafter/release")]
+    # the next writer finishes what was left, then replaces as usual
+    store.put_dir(old, "drafter/release")
+    assert _found(store) == "old"

@@ -242,6 +242,8 @@ def evaluate_drafter(
     log: Callable[[str], None] = print,
 ) -> EvalReport:
     """Serve the export with the target on the held-out prompts; writes `drafter_eval/report.json`."""
+    for rel in (EXPORT_DIR, RELEASE_DIR):  # a replacement a kill interrupted is finished, never read half done
+        store.settle(rel)
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)

@@ -108,6 +108,8 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
 def decide(store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float) -> Decision:
     """`release_decision` on the report of the export now in the store, against the drafter released for `target`
     (nothing released for it: a first release, which replaces a release of another target, saying so)."""
+    for rel in (EXPORT_DIR, RELEASE_DIR):  # a replacement a kill interrupted is finished, never read half done
+        store.settle(rel)
     if report.export_sha256 != export_digest(store):
         raise NotComparable(
             f"the drafter_eval report ({report.export_sha256 or 'no digest'}) is not of the export now at "
