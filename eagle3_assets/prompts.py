@@ -9,7 +9,7 @@ false}`, over the run-wide `generation.chat_template_kwargs`). Errors name the f
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +114,14 @@ def decode_prompts(data: bytes, source: str) -> str:
             f"{source}:{lineno}, column {e.start - line_start + 1}: byte {data[e.start]:#04x} is not UTF-8 "
             "(save the file as UTF-8)"
         ) from None
+
+
+def heldout_overlap(train: Sequence[Prompt], heldout: Sequence[Prompt]) -> list[str]:
+    """The held-out prompts that are training prompts too (the same id, or the same messages), each named with the
+    file and line it came from: a drafter judged on rows it trained on is judged too kindly."""
+    ids = {p.id for p in train}
+    texts = {json.dumps(p.messages, sort_keys=True) for p in train}
+    return [f"{p.id} ({p.source})" for p in heldout if p.id in ids or json.dumps(p.messages, sort_keys=True) in texts]
 
 
 def parse_prompts(text: str, source: str) -> list[Prompt]:

@@ -121,6 +121,44 @@ def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
         assert store.read_json(f"{RELEASE_DIR}/release.json")["replaced"] == {"k3": 2.1, "k7": 2.6}
 
 
+def test_the_gate_cannot_be_emptied_fooled_or_raced(tmp_path):
+    """Issue 44, item 5: a released drafter that stopped serving greedily keeps the bar it was released at; an export
+    rewritten after it was judged is not released; a second promotion waits for the one deciding."""
+    from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR, NotComparable, promote
+    from eagle3_assets.leases import Lease
+
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(), store)
+    with DagsterInstance.ephemeral() as instance:
+        released = write_export(store, 1.0)
+        assert release(project, instance, report_json(2.9, 3.5, export_sha256=released))[0].success
+
+        # Served beside a new export it no longer matches greedy (another engine): a baseline of 1.0 would let 1.30 in.
+        weak = write_export(store, 2.0)
+        beside = {RELEASED: report_json(1.0, 1.0, greedy=False)}
+        result, meta, check = release(project, instance, report_json(1.3, 1.4, export_sha256=weak, beside=beside))
+        assert not result.success and not check.passed
+        assert (meta["new_k3"].value, meta["released_k3"].value) == (1.3, 2.9)  # the bar it was released at
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
+
+        # An export rewritten between drafter_eval and the promotion is not what was judged.
+        judged = write_export(store, 3.0)
+        write_export(store, 4.0)
+        with pytest.raises(NotComparable, match=r"changed since drafter_eval served it .*: not released"):
+            promote(store, release_decision(report(3.0, 3.6), None, 1.05), ServedReport.from_json(
+                report_json(3.0, 3.6, export_sha256=judged)), "v1")  # fmt: skip
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
+
+        # One promotion at a time: another run deciding holds the lease, and this one refuses naming it.
+        better = write_export(store, 5.0)
+        with Lease(store, PROMOTION_LEASE_DIR, "run-deciding"):
+            result, _, check = release(project, instance, report_json(3.0, 3.6, export_sha256=better, beside={
+                RELEASED: report_json(2.9, 3.5)}))  # fmt: skip
+        assert not result.success and check is None
+        assert "run-deciding" in result.failure_data_for_node("drafter_release").error.message
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
+
+
 @pytest.mark.parametrize("k3", [1.0, 1.04])
 def test_an_export_serving_at_acceptance_one_is_never_released_even_first(tmp_path, k3):
     store = ArtifactStore(tmp_path / "store")

@@ -134,6 +134,23 @@ def test_bad_prompt_file_fails_naming_the_line_and_keeps_the_earlier_copy(pipeli
     assert project.store.read_text(PROMPTS_FILE) == before
 
 
+def test_held_out_prompts_that_are_training_prompts_are_refused_naming_them(pipeline, tmp_path):
+    """A drafter judged on rows it trained on is judged too kindly (issue 44, item 5): refused where the prompts load."""
+    project, _, instance = pipeline
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text('{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n')
+    held.write_text('{"id": "h1", "prompt": "new"}\n{"id": "h2", "prompt": "two"}\n')
+    before = project.store.read_text(PROMPTS_FILE)
+    settings = project.settings.model_copy(update={"prompts": str(train), "eval_prompts": str(held)})
+    result = run(build_definitions(Project(settings, project.store)), instance, ["prompts"])
+    assert not result.success
+    assert (
+        f"eval_prompts: 1 held-out prompt(s) are training prompts too (the same id or the same messages): h2 ({held}:2); "
+        "drafter_eval would judge the drafter on rows it trained on. Remove them from one of the two files"
+    ) in result.failure_data_for_node("prompts").error.message
+    assert project.store.read_text(PROMPTS_FILE) == before
+
+
 def test_unreadable_model_path_fails_naming_it(pipeline, tmp_path):
     project, _, instance = pipeline
     broken = Project(project.settings.model_copy(update={"target_model": str(tmp_path / "no-model")}), project.store)

@@ -59,3 +59,14 @@ def test_fact_spans_are_checked_when_the_eval_prompts_are_parsed_naming_file_and
     with pytest.raises(PromptsError, match=r"^e:1 \(id x\): fact_spans must be .* got \[\[True, 3\]\]"):
         parse_prompts('{"id": "x", "prompt": "hi", "reference": "abc", "fact_spans": [[true, 3]]}\n', "e")
     assert parse_prompts(good, "eval.jsonl")[0].extra["fact_spans"] == [[7, 10]]
+
+
+def test_held_out_prompts_that_are_training_prompts_are_named_with_file_and_line():
+    from eagle3_assets.prompts import heldout_overlap
+
+    train = parse_prompts('{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n', "train.jsonl")
+    held = parse_prompts(
+        '{"id": "a", "prompt": "other"}\n{"id": "c", "prompt": "two"}\n{"id": "d", "prompt": "new"}\n', "held.jsonl"
+    )
+    assert heldout_overlap(train, held) == ["a (held.jsonl:1)", "c (held.jsonl:2)"]  # the same id; the same messages
+    assert heldout_overlap(train, held[2:]) == []

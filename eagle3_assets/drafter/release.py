@@ -31,6 +31,8 @@ from eagle3_assets.storage import ArtifactStore
 RELEASE_DIR = "drafter/release"
 RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
 RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
+# One promotion at a time decides and publishes: its lease lives beside the release, never in the directory it replaces.
+PROMOTION_LEASE_DIR = "drafter/promotion"
 
 
 class NotComparable(Refusal):
@@ -134,8 +136,10 @@ def released_figures(store: ArtifactStore, report: ServedReport) -> dict[str, fl
             "served beside the new export: rematerialize drafter_eval, which serves both"
         )
     if not beside.outputs_match_greedy:
-        # The released drafter no longer serves greedily (e.g. another engine): any working export beats it.
-        return {k: 1.0 for k in beside.acceptance}
+        # It no longer serves greedily here (another engine, a changed kernel): its figures now are no measure, and a
+        # baseline of 1.0 would let any working export replace it. It stays the bar it was released at.
+        recorded = store.read_json(RELEASE_RECORD).get("acceptance") or {}
+        return {k: float(recorded.get(k, v)) for k, v in beside.acceptance.items()}
     return beside.acceptance
 
 
@@ -145,6 +149,12 @@ def promote(store: ArtifactStore, decision: Decision, report: ServedReport, targ
     with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
         for name in store.listdir(EXPORT_DIR):
             (Path(tmp) / name).write_bytes(store.read_bytes(f"{EXPORT_DIR}/{name}"))
+        copied = hashlib.sha256((Path(tmp) / "model.safetensors").read_bytes()).hexdigest()
+        if copied != report.export_sha256:  # rewritten between drafter_eval and now: not what was judged
+            raise NotComparable(
+                f"the export at {store.url_of(EXPORT_DIR)} changed since drafter_eval served it (sha256 {copied}, "
+                f"served {report.export_sha256}): not released; rematerialize drafter_eval"
+            )
         record = {
             "target": target,
             "acceptance": decision.candidate,

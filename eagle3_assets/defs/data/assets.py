@@ -24,7 +24,14 @@ from eagle3_assets.defs.partitions import sync_shard_partitions
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.generation import open_generator
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
-from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, decode_prompts, dump_prompts, parse_prompts
+from eagle3_assets.prompts import (
+    EVAL_PROMPTS_FILE,
+    PROMPTS_FILE,
+    decode_prompts,
+    dump_prompts,
+    heldout_overlap,
+    parse_prompts,
+)
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.sample_file import SampleSpec
@@ -81,6 +88,13 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
     with failures():
         rows = parse_prompts(text, source)
         eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
+    if overlap := heldout_overlap(rows, eval_rows):
+        raise refusal(
+            f"eval_prompts: {len(overlap)} held-out prompt(s) are training prompts too (the same id or the same "
+            f"messages): {', '.join(overlap[:5])}{' …' if len(overlap) > 5 else ''}; drafter_eval would judge the "
+            "drafter on rows it trained on. Remove them from one of the two files"
+        )
+    with failures():
         written = dump_prompts(rows)
         nbytes = store.write_text(PROMPTS_FILE, written)
         eval_written = dump_prompts(eval_rows) if eval_rows else ""

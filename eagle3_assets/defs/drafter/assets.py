@@ -29,7 +29,8 @@ from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.release import RELEASE_DIR, decide, promote, target_version
+from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR, RELEASE_DIR, decide, promote, target_version
+from eagle3_assets.leases import Lease
 from eagle3_assets.project import Project
 from eagle3_assets.settings import TrainingSettings
 
@@ -117,14 +118,14 @@ def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]
         )
     ],
 )
-def drafter_release(project: ResourceParam[Project]) -> MaterializeResult:
+def drafter_release(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """The drafter meant to be served (`drafter/release/`): the new export once `drafter_eval` found it at least as
     good as the released one. When it is not, the released drafter stays and the `no_regression` check fails naming
     both figures (`drafter/release.py`)."""
     store = project.store
     with failures():
         want = Staleness(project).expected("drafter_release")
-    with failures():
+    with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
         report = ServedReport.read(store)
         target = target_version(store)
         decision = decide(store, report, target, project.settings.evaluation.release_min_acceptance)
