@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -119,8 +120,13 @@ class Lease:
             raise self._refuse(current)
         wrote_at = time.monotonic()
         self._write()
-        time.sleep(self.settle_s)
-        back = self.read()
+        try:
+            time.sleep(self.settle_s)
+            back = self.read()
+        except BaseException:  # a stop signal while it settles: no lease file of a process that is leaving
+            if (mine := self.read()) is not None and mine.token == self.me.token:
+                self.store.remove(self.rel)
+            raise
         if back is None or back.token != self.me.token:
             raise self._refuse(back or current or self.me)
         self._renewed_at = wrote_at
@@ -172,5 +178,12 @@ class Lease:
     def __enter__(self) -> Lease:
         return self.acquire()
 
-    def __exit__(self, *_exc: object) -> None:
-        self.release()
+    def __exit__(self, _type: object, exc: BaseException | None, _tb: object) -> None:
+        try:
+            self.release()
+        except (Eagle3Error, OSError) as e:
+            if exc is None:
+                raise
+            # What is leaving (a stop, a failure) says more than a lease file left to expire: it goes on, named.
+            print(f"lease {self.what}: not released ({e}); it expires {self.expiry_s:g}s after its last renewal",
+                  file=sys.stderr, flush=True)  # fmt: skip

@@ -369,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if whole_graph else nullcontext()
     began = time.monotonic()
     try:
-        with lease:
+        # The signals first: a stop while the lease settles leaves no lease file and ends as any stop does.
+        with StopSignals().installed() as stop, lease:
             try:
                 from eagle3_assets.definitions import build_definitions, defs
             except Eagle3Error as e:  # refused as the definitions load (a setting checked against the target)
@@ -383,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 2
             redo = frozenset() if args.redo_from is None else AssetSelection.assets(args.redo_from).downstream().resolve(graph)
             door = StartDoor(redo=frozenset(redo), since=time.time())
-            with DagsterInstance.get() as instance, StopSignals().installed() as stop:
+            with DagsterInstance.get() as instance:
                 start = GraphStart(instance, defs.resources["project"], build=build_definitions, door=door, stop=stop)
                 if args.list_shards:
                     for key, state in shard_states(instance, start.project).items():

@@ -181,8 +181,11 @@ def test_time_slices_on_a_memory_store_and_checkpoint_contents(data):
     # TensorBoard events were copied from the local writer into the store.
     assert any(n.startswith("events.out.tfevents") for n in store.listdir("drafter/tensorboard/run_from_step_0"))
 
+    # A rank killed while it uploaded the next checkpoint left its temporary copy (issue 44, item 7): multi-GB at scale.
+    store.write_bytes("drafter/checkpoints/.step_4.tmp-killedrank/model.safetensors", b"partial")
     second, curve2 = run(store, data)
     assert second.resumed_from == 3 and second.finished and sorted(curve2)[0] == 4
+    assert not [p for p in store.fs.ls(store.path("drafter/checkpoints"), detail=False) if ".tmp-" in p]
     # Called again when already done: no step runs, the result still carries the metrics.
     third, curve3 = run(store, data)
     assert (third.step, third.resumed_from, curve3) == (second.step, second.step, {})

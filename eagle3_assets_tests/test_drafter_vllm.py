@@ -202,3 +202,42 @@ def test_a_failed_vllm_generation_is_a_named_retryable_evaluation_error(tmp_path
     assert msg.startswith(f"drafter_eval: vLLM generation of 1 run(s) over 1 prompts failed (exit 1; target {tmp_path / 'target'})")
     assert "unexpected keyword argument 'no_such_option'" in msg
     assert e.value.retryable
+
+
+def test_the_vllm_interpreter_of_a_drafter_eval_killed_outright_goes_with_it(tmp_path: Path):
+    """Issue 44, item 7: `kill -9` of the process serving the drafter (its run's worker) ends the vLLM interpreter it
+    started at once, not at the evaluation's timeout, with the cores (or GPU) it claimed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess; "
+         f"generate_runs_in_subprocess({str(tmp_path / 'target')!r}, [[1, 2]], [{{}}], timeout_s=600)"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "EAGLE3_STALL_AT": "vllm_eval:started"},  # the interpreter holds there until ended
+    )  # fmt: skip
+
+    def children() -> list[int]:
+        tasks = Path(f"/proc/{parent.pid}/task")
+        return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()] if tasks.exists() else []
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (child := children()):
+            assert parent.poll() is None and time.monotonic() < deadline, "the vLLM interpreter never started"
+            time.sleep(0.05)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child[0]}").exists() and "Z" not in Path(f"/proc/{child[0]}/stat").read_text().split()[2]:
+            assert time.monotonic() < deadline, "the vLLM interpreter outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        for pid in [parent.pid, *children()]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -204,3 +204,44 @@ def test_two_extractions_of_one_shard_one_extracts_the_other_refuses_naming_it(t
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert store.exists("hidden_states/rows_0-20/_SUCCESS.json") and not store.exists(lease)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_start_lease_settles_ends_cleanly_and_leaves_no_lease_file(tmp_path, tiny_target_dir, sig):
+    """Issue 44, item 7: the lease file is written, then the command waits 2 s to see it stays its own. A signal there
+    ends the command as any stop does (128 + the signal, the line that resumes), and the file goes with it."""
+    from .helpers import kill_group
+
+    op = Operator(tmp_path, tiny_target_dir)
+    lease_file = op.root / "start" / "_LEASE.json"
+    proc = op.spawn("--through", "hidden_states")
+    try:
+        deadline = time.monotonic() + 120
+        while not lease_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the lease was never written"
+            time.sleep(0.01)
+        os.kill(proc.pid, sig)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        kill_group(proc.pid)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "Traceback" not in out and f"[start] stopped by {sig.name}: nothing more was launched" in out
+    assert not lease_file.exists()
+
+
+def test_a_lease_that_cannot_be_released_does_not_hide_the_stop_that_left_it(tmp_path, capsys):
+    from eagle3_assets.stopping import Stopped
+
+    store = ArtifactStore(tmp_path)
+    lease = Lease(store, "drafter", "run-a", **FAST)
+    with pytest.raises(Stopped):
+        with lease:
+            def broken(rel: str, *, recursive: bool = False) -> None:
+                raise OSError(5, "Input/output error", rel)
+
+            store.remove = broken  # the store stops answering as the stop leaves
+            raise Stopped(signal.SIGTERM)
+    assert capsys.readouterr().err == (
+        f"lease {store.url_of('drafter')}: not released ([Errno 5] Input/output error: 'drafter/_LEASE.json'); it expires "
+        "2s after its last renewal\n"
+    )

@@ -455,8 +455,8 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     A checkpoint of another run (other data, another recipe) is never resumed: `other_run="refuse"` fails
     naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0 (not in rolling
     mode, where the shards that run consumed are gone: that one always refuses)."""
-    if run.env.is_main:  # a checkpoint write a kill interrupted is finished before any rank looks
-        run.store.settle_all(CHECKPOINTS_DIR)
+    if run.env.is_main:  # a checkpoint write a kill left: finished (after its intent) or removed, before any rank looks
+        run.store.remove_temporaries(CHECKPOINTS_DIR)
     barrier()
     rel = latest_checkpoint(run.store)
     if rel is None:

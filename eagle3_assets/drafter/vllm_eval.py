@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.drafter.errors import EvaluationError
-from eagle3_assets.processes import signal_group
+from eagle3_assets.processes import signal_group, terminate_with_parent
 from eagle3_assets.vllm_server.cores import engine_claim, pin_to_claim
 
 _SPEC_PREFIX = "vllm:spec_decode_"
@@ -290,6 +291,7 @@ def generate_runs_in_subprocess(
                     [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
                     stdout=out, stderr=subprocess.STDOUT, env=run_env | (cores.env() if cores else {}),
                     start_new_session=True, pass_fds=(cores.fd,) if cores else (),
+                    preexec_fn=terminate_with_parent,  # a drafter_eval run killed outright takes its engine with it
                 )  # fmt: skip
             except BaseException:
                 if cores is not None:
@@ -322,6 +324,7 @@ def generate_runs_in_subprocess(
 
 def main(argv: Sequence[str]) -> int:
     pin_to_claim()  # before vLLM starts its engine's processes: they inherit the claimed cores
+    crash_point("vllm_eval:started")
     request_path, result_path = argv
     req = json.loads(Path(request_path).read_text())
     with Path(result_path).open("a") as out:
