@@ -149,6 +149,11 @@ def process_alive(pid: int, started_by: float | None = None) -> bool:
 
 
 def machine_id() -> str:
-    """Names this machine and boot: a pid recorded under another id means nothing here."""
+    """Names this machine, boot and pid namespace: a pid recorded under another id means nothing here. Containers
+    with host networking (NCCL's usual setup, k8s `hostNetwork`) share the host name and the boot, not the pids."""
     boot = boot_time()
-    return f"{socket.gethostname()}@{int(boot) if boot else 0}"
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: one namespace
+        namespace = 0
+    return f"{socket.gethostname()}@{int(boot) if boot else 0}/pid-ns:{namespace}"

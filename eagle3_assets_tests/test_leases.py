@@ -245,3 +245,30 @@ def test_a_lease_that_cannot_be_released_does_not_hide_the_stop_that_left_it(tmp
         f"lease {store.url_of('drafter')}: not released ([Errno 5] Input/output error: 'drafter/_LEASE.json'); it expires "
         "2s after its last renewal\n"
     )
+
+
+def test_a_live_holder_in_another_pid_namespace_of_the_same_host_is_not_taken_for_dead(tmp_path):
+    """Issue 44, item 3: containers with host networking share the host name and the boot but not the pids. The probe
+    took such a live lease in 2 s: its holder's pid meant another process here. It now waits out the expiry."""
+    import shlex
+    import shutil
+    from pathlib import Path
+
+    from eagle3_assets.leases import LeaseHeld
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"]).returncode:
+        pytest.fail("this test needs `unshare --pid` (util-linux, and the right to make a pid namespace)")
+    # Inside, the holder runs as pid 100000, which no process of this namespace has: it looks dead from here.
+    inner = f"echo 99999 > /proc/sys/kernel/ns_last_pid && {shlex.join([sys.executable, '-c', HOLDER, str(tmp_path)])}"
+    assert not Path("/proc/100000").exists()
+    holder = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inner],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeld, match=r"is held by another process \(host .*, pid \d+, run run-a"):
+            Lease(ArtifactStore(tmp_path), "drafter", "run-b", **FAST).acquire()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
