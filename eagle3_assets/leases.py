@@ -41,6 +41,12 @@ SETTLE_S = 2.0
 READ_EVERY_S = 1.0
 
 
+def _clock() -> float:
+    """Seconds that go on through a system suspend (CLOCK_BOOTTIME), where the platform has it: a holder suspended
+    past the expiry must know it on waking, before it writes; `time.monotonic` stops while suspended."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 @dataclass(frozen=True)
 class Holder:
     host: str
@@ -89,8 +95,8 @@ class Lease:
         self.expiry_s, self.heartbeat_s, self.settle_s = expiry_s, heartbeat_s, settle_s
         now = time.time()
         self.me = Holder(socket.gethostname(), os.getpid(), run_id, now, now, uuid.uuid4().hex, machine_id())
-        self._renewed_at = 0.0  # time.monotonic() of this holder's last renewal
-        self._read_at = 0.0  # time.monotonic() of check()'s last read of the file
+        self._renewed_at = 0.0  # _clock() of this holder's last renewal
+        self._read_at = 0.0  # _clock() of check()'s last read of the file
         self._lost: str | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -118,7 +124,7 @@ class Lease:
         current = self.read()
         if current is not None and current.token != self.me.token and not self._expired(current):
             raise self._refuse(current)
-        wrote_at = time.monotonic()
+        wrote_at = _clock()
         self._write()
         try:
             time.sleep(self.settle_s)
@@ -142,10 +148,11 @@ class Lease:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self.check(read=True)  # never renew over a taker's lease
-                wrote_at = time.monotonic()
+                wrote_at = _clock()
                 self._write()
                 self._renewed_at = wrote_at  # counted from before the write: the expiry errs early
-            except LeaseLost:
+            except LeaseLost as e:  # said now, not only at the holder's next write
+                print(f"{e}", file=sys.stderr, flush=True)
                 return
             except (Eagle3Error, OSError):
                 continue  # the store did not answer this time; check() decides when that is too long
@@ -155,7 +162,7 @@ class Lease:
         read at most every READ_EVERY_S (a shard's release deletes thousands of files); the age of this holder's
         own last renewal is checked every time, so no write goes out after an expiry it slept through."""
         if self._lost is None:
-            now = time.monotonic()
+            now = _clock()
             age = now - self._renewed_at
             if age >= self.expiry_s:
                 self._lost = f"its last renewal was {age:.0f}s ago, past the {self.expiry_s:g}s expiry"

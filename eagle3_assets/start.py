@@ -111,12 +111,14 @@ class GraphStart:
         *,
         build: Callable[[Project, StartDoor], Definitions],
         door: StartDoor | None = None,
+        owned: Callable[[], None] = lambda: None,
         log: Log = _say,
         stop: StopSignals | None = None,
     ):
         """`build` makes the definitions, also for a project whose settings name a phase's shared server; `stop`
-        says when a stop signal came (none come to one that is not installed)."""
-        self.instance, self.project, self.build, self.log = instance, project, build, log
+        says when a stop signal came (none come to one that is not installed); `owned` raises when this command no
+        longer holds the store's start lease (`Lease.check`): it launches nothing after that."""
+        self.instance, self.project, self.build, self.log, self.owned = instance, project, build, log, owned
         self.door = door or StartDoor(since=time.time())
         self.stop = stop or StopSignals()
         self.defs = build(project, self.door)
@@ -171,6 +173,7 @@ class GraphStart:
     # --- running ---------------------------------------------------------------------------------
 
     def launch(self, keys: list[AssetKey], partition: str | None = None) -> bool:
+        self.owned()  # paused past the lease's expiry (SIGSTOP, a frozen VM), another command may have taken over
         label = _label([(k, partition) for k in keys]) if partition else ",".join(k.to_user_string() for k in keys)
         started = time.monotonic()
         self.log(f"{label}: starting")
@@ -308,6 +311,7 @@ class GraphStart:
         process gets SIGTERM if this one dies, so a killed command leaves no trainer beside the next one's;
         in a session of its own, it is stopped here (SIGTERM, then SIGKILL to its group) when the block is
         left before it ended: a stop signal, an error."""
+        self.owned()
         with tempfile.TemporaryDirectory(prefix="eagle3-start-") as tmp:
             config = Path(tmp) / "settings.yaml"
             config.write_text(yaml.safe_dump(self.project.settings.model_dump(mode="json")))
@@ -385,7 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             redo = frozenset() if args.redo_from is None else AssetSelection.assets(args.redo_from).downstream().resolve(graph)
             door = StartDoor(redo=frozenset(redo), since=time.time())
             with DagsterInstance.get() as instance:
-                start = GraphStart(instance, defs.resources["project"], build=build_definitions, door=door, stop=stop)
+                start = GraphStart(
+                    instance, defs.resources["project"], build=build_definitions, door=door, stop=stop,
+                    owned=lease.check if isinstance(lease, Lease) else lambda: None,
+                )  # fmt: skip
                 if args.list_shards:
                     for key, state in shard_states(instance, start.project).items():
                         print(f"{key}\t{state}")

@@ -272,3 +272,30 @@ def test_a_live_holder_in_another_pid_namespace_of_the_same_host_is_not_taken_fo
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
+
+
+def test_a_start_command_that_lost_its_lease_launches_nothing_more(tmp_path):
+    """Issue 44, item 3: paused past the expiry (SIGSTOP, a frozen VM), the command another took over from must not
+    launch beside it. It asks its lease before every launch; taken over, it stops naming the new holder."""
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.leases import LeaseLost
+    from eagle3_assets.project import Project
+    from eagle3_assets.start import START_LEASE_DIR, GraphStart
+
+    from .conftest import tiny_settings
+    from .helpers import gpu_instance
+
+    store = ArtifactStore(tmp_path / "root")
+    mine = Lease(store, START_LEASE_DIR, "this command", **FAST).acquire()
+    mine.release()  # stands for a heartbeat that stopped while the command was frozen
+    taker = Lease(store, START_LEASE_DIR, "the command that took over", **FAST).acquire()
+    try:
+        with gpu_instance() as instance:
+            start = GraphStart(
+                instance, Project(tiny_settings(), store), build=build_definitions, owned=mine.check, log=lambda _: None
+            )
+            with pytest.raises(LeaseLost, match=r"lost its lease: taken over by host .*run the command that took over"):
+                start.run()
+            assert instance.get_runs() == []  # nothing launched
+    finally:
+        taker.release()
