@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # How long a process group is given after SIGTERM before SIGKILL: a vLLM engine freeing its device, torchrun
@@ -27,12 +28,20 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
 
 
-def terminate_with_parent() -> None:
-    """`preexec_fn` of a job that must not outlive the process that started it (a training job whose run
-    was SIGKILLed would keep its GPUs and write beside the rerun): SIGTERM when the starting thread dies.
-    Linux only; elsewhere the run's own stop is all there is."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def terminate_with_parent() -> Callable[[], None]:
+    """The `preexec_fn` of a job that must not outlive the process that starts it (a training job whose run was
+    SIGKILLed would keep its GPUs and write beside the rerun): SIGTERM when the starting thread dies. Made in the
+    starter, so it knows its pid: a starter killed between the fork and the kernel's promise is seen, and the job
+    ends at once. Linux only; elsewhere the run's own stop is all there is."""
+    starter = os.getpid()
+
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != starter:  # died before the promise was made: the job never starts
+                os._exit(1)
+
+    return preexec
 
 
 def die_with_parent(parent_names: tuple[str, ...]) -> bool:

@@ -323,7 +323,7 @@ class GraphStart:
                    "--select", key.to_user_string()]  # fmt: skip
             self.log(f"{key.to_user_string()}: starting, in its own process")
             process = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent, start_new_session=True
+                cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=terminate_with_parent(), start_new_session=True
             )  # fmt: skip
             try:
                 yield process

@@ -136,7 +136,7 @@ ORPHAN = textwrap.dedent(
     """
     import subprocess, sys, time
     from eagle3_assets.processes import terminate_with_parent
-    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=terminate_with_parent)
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=terminate_with_parent())
     print(job.pid, flush=True)
     time.sleep(120)
     """

@@ -291,7 +291,7 @@ def generate_runs_in_subprocess(
                     [sys.executable, "-m", "eagle3_assets.drafter.vllm_eval", str(request), str(result)],
                     stdout=out, stderr=subprocess.STDOUT, env=run_env | (cores.env() if cores else {}),
                     start_new_session=True, pass_fds=(cores.fd,) if cores else (),
-                    preexec_fn=terminate_with_parent,  # a drafter_eval run killed outright takes its engine with it
+                    preexec_fn=terminate_with_parent(),  # a drafter_eval run killed outright takes its engine with it
                 )  # fmt: skip
             except BaseException:
                 if cores is not None:

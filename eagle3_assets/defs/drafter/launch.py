@@ -102,7 +102,7 @@ def train_with_torchrun(
         with console.open("wb") as out:
             proc = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=terminate_with_parent,
+                preexec_fn=terminate_with_parent(),
             )  # fmt: skip
         offset = 0
         try:
