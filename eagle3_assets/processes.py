@@ -37,6 +37,8 @@ def terminate_with_parent() -> Callable[[], None]:
 
     def preexec() -> None:
         if _LIBC is not None:
+            # An ignored SIGTERM is inherited across exec (a starter started with it ignored): it would void the promise.
+            _LIBC.signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
             _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != starter:  # died before the promise was made: the job never starts
                 os._exit(1)

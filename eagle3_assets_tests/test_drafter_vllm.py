@@ -214,7 +214,10 @@ def test_the_vllm_interpreter_of_a_drafter_eval_killed_outright_goes_with_it(tmp
     import time
 
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess; "
+        # Started with SIGTERM ignored, as some launchers leave it: ignored dispositions survive exec, and must not
+        # void the kernel's SIGTERM to the interpreter.
+        [sys.executable, "-c", "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess; "
          f"generate_runs_in_subprocess({str(tmp_path / 'target')!r}, [[1, 2]], [{{}}], timeout_s=600)"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "EAGLE3_STALL_AT": "vllm_eval:started"},  # the interpreter holds there until ended
