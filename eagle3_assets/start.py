@@ -151,7 +151,8 @@ class GraphStart:
     def left(self, selection: AssetSelection) -> list[str]:
         """What in `selection` is not made as the settings would make it now, each with why."""
         graph, staleness, out = self.defs.resolve_asset_graph(), Staleness(self.project), []
-        for key in [k for k in graph.toposorted_asset_keys if k in selection.resolve(graph)]:
+        selected = selection.resolve(graph)
+        for key in [k for k in graph.toposorted_asset_keys if k in selected]:
             if key == HIDDEN_STATES:
                 out += [f"hidden_states[{k}]: {s}" for k, s in shard_states(self.instance, self.project).items() if s != "done"]
             elif why := why_due(self.instance, staleness, key):

@@ -14,18 +14,20 @@ same function as an `AutomationCondition`, evaluated in the code location.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dagster import (
     AssetKey,
-    AssetSpec,
     AssetRecordsFilter,
+    AssetSpec,
     AutomationCondition,
     AutomationContext,
     AutomationResult,
     DagsterInstance,
     DataVersion,
+    EventLogRecord,
     MetadataValue,
 )
 
@@ -33,8 +35,8 @@ from eagle3_assets.artifacts import ARTIFACTS
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import (
     Inputs,
-    ProvenanceError,
     Provenance,
+    ProvenanceError,
     Record,
     current_problem,
     digest,
@@ -97,19 +99,30 @@ class Staleness:
         return current_problem(self.project.store, self.expected(asset, partition), partition)
 
 
-def why_due(instance: DagsterInstance, staleness: Staleness, key: AssetKey, partition: str | None = None) -> str | None:
-    """The rule: None when `key` (or its `partition`) is materialized and its record is what the settings and
-    inputs would make now; else why it must run."""
+def latest_materialization(instance: DagsterInstance, key: AssetKey, partition: str | None = None) -> EventLogRecord | None:
     records = instance.fetch_materializations(
         AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None), limit=1
     ).records
-    if not records:
+    return records[0] if records else None
+
+
+def partitions_where(context: AutomationContext, holds: Callable[[str | None], bool]) -> AutomationResult:
+    """The candidate asset partitions for whose partition key (None: unpartitioned) `holds` is true."""
+    true = {p for p in context.candidate_subset.expensively_compute_asset_partitions() if holds(p.partition_key)}
+    return AutomationResult(context, context.asset_graph_view.get_asset_subset_from_asset_partitions(context.key, true))
+
+
+def why_due(instance: DagsterInstance, staleness: Staleness, key: AssetKey, partition: str | None = None) -> str | None:
+    """The rule: None when `key` (or its `partition`) is materialized and its record is what the settings and
+    inputs would make now; else why it must run."""
+    latest = latest_materialization(instance, key, partition)
+    if latest is None:
         return "never materialized"
     try:
         want = staleness.expected(key.to_user_string(), partition)
     except ProvenanceError as e:  # an outside file gone: due, and the reason says which
         return str(e)
-    made_from = records[0].asset_materialization.metadata.get(MADE_FROM)
+    made_from = latest.asset_materialization.metadata.get(MADE_FROM)
     if made_from is None or made_from.value != want.made_from:
         # The store's record may be ahead of the last materialization: a shard run that failed after claiming
         # its directory; a materialization made before provenance was recorded.
@@ -136,12 +149,7 @@ class ProvenanceChanged(AutomationCondition):
     def evaluate(self, context: AutomationContext) -> AutomationResult:
         staleness = Staleness.shared(self.project, context.evaluation_time)
         instance = context.asset_graph_view.instance
-        key = context.key
-        due = set()
-        for asset_partition in context.candidate_subset.expensively_compute_asset_partitions():
-            if why_due(instance, staleness, key, asset_partition.partition_key) is not None:
-                due.add(asset_partition)
-        return AutomationResult(context, context.asset_graph_view.get_asset_subset_from_asset_partitions(key, due))
+        return partitions_where(context, lambda p: why_due(instance, staleness, context.key, p) is not None)
 
 
 class AncestorDue(AutomationCondition):
@@ -257,15 +265,13 @@ class RedoAsked(AutomationCondition):
     def evaluate(self, context: AutomationContext) -> AutomationResult:
         if context.key not in self.door.redo:
             return AutomationResult(context, context.get_empty_subset())
-        instance, asked = context.asset_graph_view.instance, set()
-        for asset_partition in context.candidate_subset.expensively_compute_asset_partitions():
-            partition = asset_partition.partition_key
-            records = instance.fetch_materializations(
-                AssetRecordsFilter(asset_key=context.key, asset_partitions=[partition] if partition else None), limit=1
-            ).records
-            if not records or records[0].timestamp < self.door.since:
-                asked.add(asset_partition)
-        return AutomationResult(context, context.asset_graph_view.get_asset_subset_from_asset_partitions(context.key, asked))
+        instance = context.asset_graph_view.instance
+
+        def not_made_since(partition: str | None) -> bool:
+            latest = latest_materialization(instance, context.key, partition)
+            return latest is None or latest.timestamp < self.door.since
+
+        return partitions_where(context, not_made_since)
 
 
 def with_redo(condition: AutomationCondition, door: StartDoor, ready: AutomationCondition) -> AutomationCondition:
