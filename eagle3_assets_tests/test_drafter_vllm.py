@@ -227,6 +227,7 @@ def test_the_vllm_interpreter_of_a_drafter_eval_killed_outright_goes_with_it(tmp
         tasks = Path(f"/proc/{parent.pid}/task")
         return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()] if tasks.exists() else []
 
+    child: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while not (child := children()):
@@ -239,7 +240,7 @@ def test_the_vllm_interpreter_of_a_drafter_eval_killed_outright_goes_with_it(tmp
             assert time.monotonic() < deadline, "the vLLM interpreter outlived the process that started it"
             time.sleep(0.05)
     finally:
-        for pid in [parent.pid, *children()]:
+        for pid in [parent.pid, *child, *children()]:  # a failed run leaves no interpreter stalled behind
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
