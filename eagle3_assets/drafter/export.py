@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,12 @@ def expected_export_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 def export_problems(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> list[str]:
     """Everything that would make an engine misload the export; empty when it is right."""
-    expected = expected_export_tensors(cfg)
+    return tensor_problems(tensors, expected_export_tensors(cfg))
+
+
+def tensor_problems(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Each tensor missing from, unexpected in or misshaped against `expected` (name -> shape), then the vocab
+    map's consistency; empty when the export is right."""
     problems = [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in tensors]
     problems += [f"unexpected tensor {n} {list(tensors[n].shape)}" for n in sorted(tensors) if n not in expected]
     problems += [
@@ -76,8 +82,12 @@ def export_problems(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> lis
         for n, s in expected.items()
         if n in tensors and tuple(tensors[n].shape) != s
     ]
-    if problems:
-        return problems
+    return problems or vocab_map_tensor_problems(tensors)
+
+
+def vocab_map_tensor_problems(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """What is wrong with an export's `t2d` (and `d2t`, present when the draft vocab is reduced)."""
+    problems: list[str] = []
     t2d = tensors["t2d"]
     if t2d.dtype != torch.bool:
         problems.append(f"t2d is {t2d.dtype}, expected torch.bool")
@@ -154,15 +164,35 @@ def export_drafter(
     """Check `tensors` (e.g. `model.trainable_state_dict()`), then publish `rel`/ atomically; returns its URL."""
     if dtype not in _DTYPES:
         raise ExportError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    full_vocab = cfg.draft_vocab_size == cfg.vocab_size
+    tensors = checked_tensors(store, rel, tensors, expected_export_tensors(cfg), full_vocab=full_vocab)
+    config = export_config(cfg, aux_layer_ids=aux_layer_ids, dtype=dtype, max_position_embeddings=max_position_embeddings)
+    return publish_export(store, rel, tensors, config, dtype)
+
+
+def checked_tensors(
+    store: ArtifactStore, rel: str, tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], *,
+    full_vocab: bool,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """`tensors` as an engine loads them (no `d2t` when the draft vocab is the full vocab: vLLM then has no table to
+    load it into), or ExportError naming every missing, extra, misshaped or non-finite tensor."""
     tensors = dict(tensors)
-    if cfg.draft_vocab_size == cfg.vocab_size and "d2t" in tensors:
+    if full_vocab and "d2t" in tensors:
         d2t = tensors.pop("d2t")
         if bool(d2t.any()):
             raise ExportError("draft vocab is the full vocab but d2t is not all zeros (not the identity map)")
-    problems = export_problems(tensors, cfg) + [f"tensor {n} holds non-finite values" for n in non_finite(tensors)]
+    problems = tensor_problems(tensors, expected) + [f"tensor {n} holds non-finite values" for n in non_finite(tensors)]
     if problems:
         raise ExportError(f"drafter export to {store.url_of(rel)} refused:\n  " + "\n  ".join(problems))
-    config = export_config(cfg, aux_layer_ids=aux_layer_ids, dtype=dtype, max_position_embeddings=max_position_embeddings)
+    return tensors
+
+
+def publish_export(
+    store: ArtifactStore, rel: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], dtype: str,
+    write_extra: Callable[[Path], None] | None = None,
+) -> str:  # fmt: skip
+    """Write `model.safetensors` (weights in `dtype`, the vocab map as is) and `config.json` (and what `write_extra`
+    adds) to a local directory, then publish it as `rel`/ in one step (`ArtifactStore.put_dir`); returns its URL."""
     out = {
         n: t.detach().cpu().contiguous() if n in ("d2t", "t2d") else t.detach().to(_DTYPES[dtype]).cpu().contiguous()
         for n, t in tensors.items()
@@ -170,6 +200,8 @@ def export_drafter(
     with tempfile.TemporaryDirectory(prefix="drafter-export-") as tmp:
         save_file(out, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if write_extra is not None:
+            write_extra(Path(tmp))
         store.put_dir(tmp, rel)
     return store.url_of(rel)
 

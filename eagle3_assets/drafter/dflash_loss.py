@@ -1,0 +1,107 @@
+"""The DFlash objective: blocks at anchors sampled in the trained spans, scored like EAGLE-3's TTT steps.
+
+A block at anchor index t (`dflash_model.py`) drafts tokens t+2 .. t+1+K with mask slots 1..K; slot i is scored
+exactly as EAGLE-3's step k = i - 1 at index t (`ttt.py`): against the target's distribution at t+1+k, counted
+when token t+2+k exists, is trained (`loss_positions`) and the target's top-1 is in the draft vocab. So the loss
+(`ttt_step_loss`: soft_ce, kl or lk), acc_k and the chain-run histogram behind the acceptance estimate are the same
+functions, and a block's run is its count of leading correct slots, as vLLM accepts them.
+
+Anchors are the indices where slot 1 is trained (`trained_positions` of step 0), `anchors_per_row` of them drawn
+without replacement per row from `generator`, or all of them when it is None (evaluation). Slot k's loss weight
+is exp(-k / loss_decay): the later slots, accepted only after every earlier one, count less.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from eagle3_assets.drafter.acceptance import chain_runs
+from eagle3_assets.drafter.dflash_model import DFlashDrafter
+from eagle3_assets.drafter.target_head import Targets
+from eagle3_assets.drafter.ttt import (
+    Loss,
+    LossPositions,
+    TTTOutput,
+    averaged_positions,
+    draft_hits,
+    predicted_targets,
+    trained_positions,
+    ttt_step_loss,
+)
+
+
+def decay_weight(loss_decay: float) -> float:
+    """The per-slot factor w with slot k weighted w**k = exp(-k / loss_decay) (what `StepCounts.metrics` takes)."""
+    return math.exp(-1.0 / loss_decay)
+
+
+def choose_anchors(starts: torch.Tensor, per_row: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Anchor indices [B, N], ascending, -1 where a row has fewer than N: `per_row` of the True indices of
+    `starts` [B, T] drawn uniformly without replacement, or every one of them when `per_row` is None."""
+    B, T = starts.shape
+    if per_row is None:
+        n = max(int(starts.sum(1).max()), 1)
+        scores = starts.float()
+    else:
+        n = per_row
+        scores = torch.rand(B, T, generator=generator).to(starts.device)
+        scores = torch.where(starts, scores, -1.0)
+    n = min(n, T)
+    top = scores.topk(n, dim=1)
+    index = torch.where(top.values > (0.5 if per_row is None else -0.5), top.indices, T)  # -1 / 0 score: none
+    index = index.sort(dim=1).values
+    return index.masked_fill(index == T, -1)
+
+
+def dflash_forward(
+    model: DFlashDrafter | nn.Module,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    targets: Targets,
+    *,
+    loss_decay: float,
+    anchors_per_row: int | None,
+    generator: torch.Generator | None = None,
+    loss: Loss = "soft_ce",
+    loss_positions: LossPositions = "predicted",
+    positions: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+) -> TTTOutput:
+    """Draft blocks at anchors and score their slots. input_ids/loss_mask [B, T], aux [B, T, A], lengths [B]; packed
+    rows also pass positions/segments [B, T]."""
+    inner: DFlashDrafter = getattr(model, "module", model)  # DistributedDataParallel wraps it when there is one
+    K = inner.config.block_size
+    trained = torch.stack([trained_positions(loss_mask, lengths, k, loss_positions, segments) for k in range(K)])
+    anchors = choose_anchors(trained[0], anchors_per_row, generator)  # [B, N]
+    real = anchors >= 0
+    index = anchors.clamp(min=0)
+    w = decay_weight(loss_decay)
+    total = torch.zeros((), device=aux.device)
+    losses, correct, counted, averaged, hits = [], [], [], [], []
+    for k, logits in enumerate(model(input_ids, aux, anchors, positions, segments)):  # [B, N, Vd] per slot
+        predicted = predicted_targets(targets, index, k)
+        trained_k = trained[k].gather(1, index) & real  # [B, N]
+        kept_k = trained_k & predicted.in_draft
+        loss_k, c, n = ttt_step_loss(logits, predicted, trained_k, kept_k, inner.d2t, loss)
+        total = total + w**k * loss_k
+        losses.append(loss_k)
+        correct.append(c)
+        counted.append(n)
+        averaged.append(averaged_positions(trained_k, kept_k, loss).sum())
+        hits.append(draft_hits(logits, predicted.argmax, kept_k, inner.d2t))
+    terms = torch.stack(losses)
+    runs = chain_runs(torch.stack(hits), trained[0].gather(1, index) & real)
+    return TTTOutput(
+        total,
+        terms.detach(),
+        torch.stack(correct),
+        torch.stack(counted),
+        torch.stack(averaged),
+        terms,
+        runs,
+    )

@@ -1,0 +1,236 @@
+"""The DFlash block drafter: its attention pattern, its scoring, its export, and vLLM serving what it trained.
+
+The serving test replays vLLM's drafting rounds over our own model: a round at newest token index a drafts the
+block at anchor index a - 1, and vLLM accepts its leading slots that equal the target's greedy tokens. vLLM's
+counters equal the replay's only when the context layers, fc, hidden_norm, the per-head norms, rotary positions,
+the mask embedding, the non-causal block and every weight name match what vLLM computes: a weight the loader left
+uninitialised would move them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_assets.drafter.data import BatchLoader, index_samples
+from eagle3_assets.drafter.dflash_export import (
+    MASK_EMBEDDING_FILE,
+    expected_dflash_tensors,
+    export_dflash,
+    load_dflash_export,
+)
+from eagle3_assets.drafter.dflash_loss import choose_anchors, dflash_forward
+from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter, block_attention_mask
+from eagle3_assets.drafter.export import ExportError
+from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
+from eagle3_assets.storage import ArtifactStore
+
+from .helpers import AUX_IDS, greedy_vocab_map, random_vocab_map, target_of, tiny_llama, write_shard
+
+
+def tiny_config(**overrides) -> DFlashConfig:
+    return DFlashConfig(
+        **{"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+           "intermediate_size": 128, "vocab_size": 300, "draft_vocab_size": 300, "num_aux_layers": 3,
+           "num_layers": 2, "block_size": 3, "mask_token_id": 0} | overrides
+    )  # fmt: skip
+
+
+def test_a_block_sees_the_context_up_to_its_anchor_and_its_whole_block():
+    anchors = torch.tensor([[1, 3], [2, -1]])
+    mask = block_attention_mask(anchors, seq_len=5, block=1)  # [B, 1, Q=4, T + Q = 9]
+    assert mask.shape == (2, 1, 4, 9)
+    # row 0, block at anchor 1: context keys 0..1, and its own two query slots (non-causal between them)
+    assert mask[0, 0, 0].tolist() == [True, True, False, False, False, True, True, False, False]
+    assert mask[0, 0, 1].tolist() == mask[0, 0, 0].tolist()
+    # block at anchor 3: context 0..3, its own slots 2..3
+    assert mask[0, 0, 3].tolist() == [True, True, True, True, False, False, False, True, True]
+    # row 1's second block is padding: it sees only itself
+    assert mask[1, 0, 2].tolist() == [False] * 5 + [False, False, True, True]
+    # packed rows: the context is cut to the anchor's own sample
+    segments = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    packed = block_attention_mask(anchors, 5, 1, segments)
+    assert packed[0, 0, 2, :5].tolist() == [False, False, True, True, False]
+
+
+def test_anchors_are_drawn_from_the_trained_indices_only():
+    starts = torch.tensor([[False, True, True, False, True], [False, False, False, True, False]])
+    assert choose_anchors(starts, None).tolist() == [[1, 2, 4], [3, -1, -1]]
+    drawn = choose_anchors(starts, 2, torch.Generator().manual_seed(0))
+    assert drawn.shape == (2, 2)
+    assert set(drawn[0].tolist()) <= {1, 2, 4} and drawn[0, 0] < drawn[0, 1]
+    assert drawn[1].tolist() == [3, -1]
+    again = choose_anchors(starts, 2, torch.Generator().manual_seed(0))
+    assert torch.equal(drawn, again)  # the same generator state draws the same anchors (resume)
+
+
+def test_slot_k_of_a_block_is_scored_as_eagle3s_step_k_at_the_anchor_index():
+    """A block at anchor t drafts tokens t+2.. with its slots; slot k's loss and accuracy are taken at t against
+    the target at t+1+k, so a drafter that always proposes the right tokens scores acc_k = 1 and a run of K."""
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=64, draft_vocab_size=64, block_size=3, num_layers=1)
+    model = DFlashDrafter(cfg, torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool))
+    ids = torch.randint(1, 64, (1, 12))
+    lengths, loss_mask = torch.tensor([12]), torch.tensor([[0] * 4 + [1] * 8])
+    probs = torch.nn.functional.one_hot(torch.roll(ids, -1, 1), 64).float()  # target at p predicts token p+1
+    from eagle3_assets.drafter.target_head import Targets
+
+    targets = Targets(probs, probs.argmax(-1), torch.ones(1, 12, dtype=torch.bool))
+
+    def oracle(input_ids, aux, anchors, positions=None, segments=None):
+        # slot k of the block at t proposes token t+2+k: the right one
+        at = (anchors[..., None] + 2 + torch.arange(3)).clamp(max=11)  # [B, N, K]
+        logits = torch.nn.functional.one_hot(input_ids.gather(1, at.flatten(1)).view(at.shape), 64).float() * 50
+        return list(logits.unbind(2))
+
+    model.forward = oracle  # type: ignore[method-assign]
+    out = dflash_forward(model, ids, torch.zeros(1, 12, 192), loss_mask, lengths, targets, loss_decay=7.0,
+                         anchors_per_row=None)  # fmt: skip
+    # trained step-0 predictions: token t+2 generated (t+2 >= 4) and existing (t+2 < 12): t = 2..9
+    assert out.kept.tolist() == [8, 7, 6]
+    assert out.correct.tolist() == out.kept.tolist()
+    assert out.runs.tolist() == [0, 1, 1, 6]  # anchors 9, 8 end early only because the row ends
+
+
+def test_the_export_holds_exactly_what_vllm_loads_and_refuses_a_missing_or_extra_weight(tmp_path: Path):
+    cfg = tiny_config(draft_vocab_size=128)
+    vmap = random_vocab_map(300, 128)
+    model = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=torch.randn(300, 64))
+    tensors = model.trainable_state_dict()
+    assert set(tensors) - {"mask_embedding"} == set(expected_dflash_tensors(cfg))
+    store = ArtifactStore(tmp_path / "store")
+    for broken, named in (
+        ({k: v for k, v in tensors.items() if k != "layers.1.self_attn.k_norm.weight"}, "missing tensor layers.1.self_attn.k_norm.weight [32]"),
+        (tensors | {"layers.2.mlp.up_proj.weight": torch.zeros(128, 64)}, "unexpected tensor layers.2.mlp.up_proj.weight [128, 64]"),
+        (tensors | {"fc.weight": torch.zeros(64, 128)}, "tensor fc.weight is [64, 128], expected [64, 192]"),
+    ):  # fmt: skip
+        with pytest.raises(ExportError) as err:
+            export_dflash(store, broken, cfg, aux_layer_ids=AUX_IDS, rel="export")
+        assert named in str(err.value)
+        assert not store.exists("export")
+
+    url = export_dflash(store, tensors, cfg, aux_layer_ids=AUX_IDS, rel="export", dtype="float32")
+    out = store.local_path("export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "mask_token_id": 0,
+        "target_layer_ids": [i - 1 for i in AUX_IDS],
+        "causal": False,
+    }
+    assert config["num_hidden_layers"] == 2 and config["draft_vocab_size"] == 128
+    assert url.endswith("/export")
+    mask = torch.load(out / MASK_EMBEDDING_FILE, weights_only=True)
+    assert mask["mask_token_id"] == 0 and torch.equal(mask["embedding"], tensors["mask_embedding"])
+
+    loaded, aux = load_dflash_export(out, model.embed_tokens.weight)
+    assert aux == AUX_IDS
+    ids, feats = torch.randint(1, 300, (2, 10)), torch.randn(2, 10, 192)
+    anchors = torch.tensor([[2, 5], [0, 7]])
+    for a, b in zip(model.eval()(ids, feats, anchors), loaded(ids, feats, anchors), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# -- served by vLLM ---------------------------------------------------------------------------------------------
+
+PROMPT_LEN, SERVED, EXTRA, K = 6, 24, 8, 3
+
+
+@torch.no_grad()
+def replay_rounds(model: DFlashDrafter, store: ArtifactStore, keys: list[str], k: int) -> tuple[int, list[int]]:
+    """(drafts, accepted per position) vLLM should report serving `SERVED` tokens per prompt with k mask slots."""
+    samples, _ = index_samples(store, keys)
+    batch = BatchLoader(store, samples, batch_tokens=10**6, seed=0).load(range(len(samples)))
+    T = batch.input_ids.shape[1]
+    anchors = torch.arange(T - 1).expand(len(samples), T - 1)
+    logits = model.eval()(batch.input_ids, batch.aux.float(), anchors, block_size=k)
+    preds = [(lg.argmax(-1) + model.d2t[lg.argmax(-1)]) for lg in logits]  # [B, N] target ids per slot
+    drafts, accepted = 0, [0] * k
+    for i in range(len(samples)):
+        ids = batch.input_ids[i]
+        newest = PROMPT_LEN  # index of the newest token: the target's prefill output
+        while newest - PROMPT_LEN + 1 < SERVED:
+            t, a = newest - 1, 0
+            drafts += 1
+            while a < k and preds[a][i, t] == ids[t + 2 + a]:
+                accepted[a] += 1
+                a += 1
+            newest += a + 1
+    return drafts, accepted
+
+
+@pytest.fixture(scope="module")
+def served_target(tmp_path_factory):
+    """A confident tiny target, greedy text from it, and one shard of that text (as the EAGLE-3 serving test)."""
+    pytest.importorskip("vllm")
+    tmp = tmp_path_factory.mktemp("dflash-vllm")
+    target_dir = tmp / "target"
+    model = tiny_llama(target_dir, seed=3, tokenizer=True)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.save_pretrained(target_dir)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, size=PROMPT_LEN).tolist() for _ in range(16)]
+    new = SERVED + EXTRA
+    with torch.no_grad():
+        generated = [
+            model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
+            for p in prompts
+        ]
+    rows = [(g, [0] * PROMPT_LEN + [1] * new) for g in generated]
+    store = ArtifactStore(tmp / "store")
+    keys = [write_shard(store, model, rows, 0)]
+    return target_dir, prompts, generated, store, keys, greedy_vocab_map(model, rows, draft=128)
+
+
+def train_dflash(served_target, steps: int = 150) -> DFlashDrafter:
+    """A few steps on the served text, straight through the objective: enough for partial acceptance."""
+    target_dir, _, _, store, keys, vmap = served_target
+    target = target_of(target_dir)
+    weights = load_target_weights(target)
+    cfg = DFlashConfig.from_target(target, draft_vocab_size=len(vmap.d2t), num_aux_layers=3, block_size=K,
+                                   mask_token_id=0, num_layers=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=weights.embed_tokens.float())
+    head = TargetHead.from_weights(weights)
+    samples, _ = index_samples(store, keys)
+    batch = BatchLoader(store, samples, batch_tokens=10**6, seed=0).load(range(len(samples)))
+    targets = head.targets(batch.last, batch.pre_norm, model.t2d)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        out = dflash_forward(model, batch.input_ids, batch.aux.float(), batch.loss_mask, batch.lengths, targets,
+                             loss_decay=7.0, anchors_per_row=8, generator=gen)  # fmt: skip
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_vllm_serves_the_dflash_export_greedy_and_accepts_the_predicted_blocks(served_target):
+    from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+
+    target_dir, prompts, generated, store, keys, _ = served_target
+    model = train_dflash(served_target)
+    export_dflash(store, model.trainable_state_dict(), model.config, aux_layer_ids=AUX_IDS, rel="dflash",
+                  dtype="float32")  # fmt: skip
+    export_dir = store.local_path("dflash")
+    runs = generate_runs_in_subprocess(
+        target_dir, prompts, [{"num_speculative_tokens": K}, {"num_speculative_tokens": 2}],
+        common={"draft_dir": export_dir, "method": "dflash", "max_tokens": SERVED},
+    )  # fmt: skip
+    for spec, k in zip(runs, (K, 2), strict=True):
+        assert spec.outputs == [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]  # speculation keeps greedy
+        drafts, accepted = replay_rounds(model, store, keys, k)
+        margin = max(1.0, 0.01 * drafts)
+        assert abs(spec.num_drafts - drafts) <= margin, (spec.to_json(), drafts, accepted)
+        for got, want in zip(spec.accepted_per_position, accepted, strict=True):
+            assert abs(got - want) <= margin, (spec.accepted_per_position, accepted, drafts)
+    assert runs[0].mean_acceptance_length > 1.5, runs[0].to_json()
