@@ -24,9 +24,9 @@ import numpy as np
 
 from eagle3_assets.demo.target import build_demo_target
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.target_head import load_target_weights
-from eagle3_assets.drafter.train import build_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.settings import DemoSettings
 from eagle3_assets.storage import ArtifactStore

@@ -36,18 +36,38 @@ TRAINING_VOLATILE = (*TRAINING_HOW, "eval_every", "export_checkpoint", "early_st
 SERVING = ("vllm", "alerts", "target_model", "trust_remote_code", "aux_layer_ids")
 
 
+# The EAGLE-3 recipe in `training`: the other families do not read these (`dflash` has its own section).
+EAGLE3_ONLY = ("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output", "serve_with")
+
+
 @dataclass(frozen=True)
 class Artifact:
     name: str
     reads: Callable[[Settings], tuple[str, ...]]
-    parents: tuple[str, ...] = ()
+    # A tuple, or a function of the settings where they choose the inputs (`drafter_release`: one eval per family).
+    parents: tuple[str, ...] | Callable[[Settings], tuple[str, ...]] = ()
     runs_with: tuple[str, ...] = SERVING
     deps_apart: Mapping[str, str] = field(default_factory=dict)
     code: int = 1
+    directory: str | None = None  # where its record lives, when not in a directory of its name
 
     @property
     def record_dir(self) -> str:
-        return self.name
+        return self.directory or self.name
+
+    def parents_under(self, settings: Settings) -> tuple[str, ...]:
+        return self.parents(settings) if callable(self.parents) else self.parents
+
+
+def drafter_artifact(family: str) -> str:
+    """The asset (and artifact) of a family's drafter: `drafter` for EAGLE-3, the asset it has always been (its
+    history and records stay), `drafter_<family>` for the others."""
+    return "drafter" if family == "eagle3" else f"drafter_{family}"
+
+
+def eval_artifact(family: str) -> str:
+    """The asset serving a family's drafter in vLLM: `drafter_eval`, `drafter_eval_<family>`."""
+    return "drafter_eval" if family == "eagle3" else f"drafter_eval_{family}"
 
 
 def _prompts(s: Settings) -> tuple[str, ...]:
@@ -68,6 +88,28 @@ def _tokenized(s: Settings) -> tuple[str, ...]:
 def _drafter(_: Settings) -> tuple[str, ...]:
     learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
     return ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
+
+
+def _dflash_drafter(_: Settings) -> tuple[str, ...]:
+    learnt = [f for f in TrainingSettings.model_fields if f not in (*TRAINING_HOW, *EAGLE3_ONLY)]
+    return ("aux_layer_ids", "extraction.storage_dtype", "shard_size", "dflash") + tuple(
+        f"training.{f}" for f in learnt
+    )
+
+
+def _eval(_: Settings) -> tuple[str, ...]:
+    return ("evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
+            "generation.chat_template_kwargs")  # fmt: skip
+
+
+_DRAFTER_DEPS_APART = {
+    "tokenized": "the rows every shard is made from, known before any shard exists, as rolling mode needs",
+    "hidden_states": "its shards stand for tokenized's rows under the target and extraction settings",
+}
+_EVAL_DEPS_APART = {
+    "prompts": "the held-out prompts it serves come with the prompt set",
+    "target_model": "the target it serves the drafter beside",
+}
 
 
 ARTIFACTS: dict[str, Artifact] = {
@@ -108,21 +150,28 @@ ARTIFACTS: dict[str, Artifact] = {
             _drafter,
             parents=("target_model", "tokenized", "vocab_map"),
             runs_with=(*SERVING, *(f"training.{f}" for f in TRAINING_HOW)),
-            deps_apart={
-                "tokenized": "the rows every shard is made from, known before any shard exists, as rolling mode needs",
-                "hidden_states": "its shards stand for tokenized's rows under the target and extraction settings",
-            },
+            deps_apart=_DRAFTER_DEPS_APART,
         ),
         Artifact(
-            "drafter_eval",
-            lambda _: ("evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
-                       "generation.chat_template_kwargs"),
-            parents=("drafter", "prompts", "target_model"),
-            deps_apart={
-                "prompts": "the held-out prompts it serves come with the prompt set",
-                "target_model": "the target it serves the drafter beside",
-            },
-        ),  # fmt: skip
-        Artifact("drafter_release", lambda _: ("evaluation.release_min_acceptance",), parents=("drafter_eval",)),
+            "drafter_dflash",
+            _dflash_drafter,
+            parents=("target_model", "tokenized", "vocab_map"),
+            runs_with=(*SERVING, *(f"training.{f}" for f in TRAINING_HOW)),
+            deps_apart=_DRAFTER_DEPS_APART,
+            directory="families/dflash/drafter",
+        ),
+        Artifact("drafter_eval", _eval, parents=("drafter", "prompts", "target_model"), deps_apart=_EVAL_DEPS_APART),
+        Artifact(
+            "drafter_eval_dflash",
+            _eval,
+            parents=("drafter_dflash", "prompts", "target_model"),
+            deps_apart=_EVAL_DEPS_APART,
+            directory="families/dflash/drafter_eval",
+        ),
+        Artifact(
+            "drafter_release",
+            lambda s: ("evaluation.release_min_acceptance", "drafters"),
+            parents=lambda s: tuple(eval_artifact(f) for f in s.drafters),
+        ),
     )
 }

@@ -44,9 +44,18 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
         a.with_attributes(automation_condition=data_condition(project, door))
         for a in (data.responses, data.tokenized, data.token_freq, data.vocab_map)
     ] + [
-        drafter.drafter_asset(settings.training).with_attributes(automation_condition=drafter_condition(project, door)),
-        drafter.drafter_eval.with_attributes(automation_condition=drafter_eval_condition(project, door)),
-        drafter.drafter_release.with_attributes(automation_condition=drafter_release_condition(project, door)),
+        asset
+        for family in settings.drafters
+        for asset in (
+            drafter.drafter_asset(settings.training, family).with_attributes(
+                automation_condition=drafter_condition(project, door)
+            ),
+            drafter.drafter_eval_asset(family).with_attributes(automation_condition=drafter_eval_condition(project, door)),
+        )
+    ] + [
+        drafter.drafter_release_asset(settings.drafters).with_attributes(
+            automation_condition=drafter_release_condition(project, door)
+        ),
     ]
     # A changed setting is a new code version of the assets that read it: the UI shows them stale.
     # The roots are made again when what they read changed (a new prompt file, another target).

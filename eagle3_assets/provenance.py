@@ -276,7 +276,7 @@ def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Proven
     """The provenance `asset` (or one shard) would have if made now from the current settings and inputs."""
     s = inputs.settings
     artifact = ARTIFACTS[asset]
-    versions: dict[str, str] = {p: inputs.parent(p) for p in artifact.parents}
+    versions: dict[str, str] = {p: inputs.parent(p) for p in artifact.parents_under(s)}
     if asset == "prompts" and s.prompts is not None:
         versions["prompts file"] = inputs.outside("prompts file")
         versions["eval prompts file"] = inputs.outside("eval prompts file")

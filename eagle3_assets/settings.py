@@ -15,6 +15,7 @@ import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS as SERVED_SPECULATIVE_TOKENS
 from eagle3_assets.errors import Refusal
 from eagle3_assets.storage_dtypes import StorageDtype
 
@@ -82,6 +83,7 @@ class ExtractionSettings(_Section):
 
 
 MAX_RANKS_PER_NODE = 256
+DRAFTER_FAMILIES = ("eagle3", "dflash")
 
 
 class LaunchSettings(_Section):
@@ -255,6 +257,26 @@ class TrainingSettings(_Section):
         return self
 
 
+class DFlashSettings(_Section):
+    """The DFlash block drafter (`drafters: [..., dflash]`), trained from the same shards as EAGLE-3. The training
+    settings (`training`) hold for it too, except the EAGLE-3 recipe: ttt_steps, step_weight and the norm options."""
+
+    block_size: int = Field(
+        7, ge=1, description="mask slots per block: the tokens it drafts per target forward, at most the speculative "
+        "tokens it is served with (drafter_eval serves 3 and 7, so at least 7)",
+    )  # fmt: skip
+    num_layers: int = Field(1, ge=1, description="draft layers, each shaped like one of the target's")
+    anchors_per_row: int = Field(16, ge=1, description="blocks drawn per training row, at trained answer positions")
+    loss_decay: float = Field(7.0, gt=0.0, description="block slot k (0-based) is weighted exp(-k / loss_decay)")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="the id the mask slots carry (its embedding is trained and shipped); None = the "
+        "target tokenizer's pad token",
+    )  # fmt: skip
+    aux_layer_ids: list[int] | None = Field(
+        None, description="the stored aux layers its context reads (a subset of aux_layer_ids); None = all of them"
+    )
+
+
 class VllmSettings(_Section):
     """Engine settings passed through to vLLM when a backend is `vllm` (generation or extraction)."""
 
@@ -385,6 +407,11 @@ class Settings(_Section):
     generation: GenerationSettings = GenerationSettings()
     extraction: ExtractionSettings = ExtractionSettings()
     training: TrainingSettings = TrainingSettings()
+    drafters: list[str] = Field(
+        default_factory=lambda: ["eagle3"],
+        description="drafter families trained from the one data build; drafter_release serves the best of them",
+    )
+    dflash: DFlashSettings = DFlashSettings()
     vllm: VllmSettings = VllmSettings()
     alerts: AlertSettings = AlertSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
@@ -406,6 +433,44 @@ class Settings(_Section):
             seen.add(i)
         return sorted(ids)
 
+    @field_validator("drafters")
+    @classmethod
+    def _known_families(cls, names: list[str]) -> list[str]:
+        if not names:
+            raise ValueError("no drafter family named; the families are eagle3 and dflash")
+        for name in names:
+            if name not in DRAFTER_FAMILIES:
+                raise ValueError(f"drafter family {name!r} does not exist; the families are {', '.join(DRAFTER_FAMILIES)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a family is named twice in {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _dflash_servable(self) -> Settings:
+        if "dflash" not in self.drafters:
+            return self
+        d = self.dflash
+        if d.block_size < max(SERVED_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"dflash.block_size: {d.block_size} mask slots, but drafter_eval serves "
+                f"{max(SERVED_SPECULATIVE_TOKENS)} speculative tokens and vLLM would draft the slots past the block "
+                f"untrained; set it to at least {max(SERVED_SPECULATIVE_TOKENS)}"
+            )
+        if d.block_size + 2 > self.max_seq_len:
+            raise ValueError(f"dflash.block_size: {d.block_size} does not fit a row of max_seq_len {self.max_seq_len}")
+        if d.aux_layer_ids is not None and self.aux_layer_ids is not None:
+            if missing := [i for i in d.aux_layer_ids if i not in self.aux_layer_ids]:
+                raise ValueError(
+                    f"dflash.aux_layer_ids: layers {missing} are not among the stored aux_layer_ids "
+                    f"{self.aux_layer_ids}; the shards hold only those"
+                )
+        if self.training.rolling:
+            raise ValueError(
+                "drafters: dflash with training.mode rolling is not supported yet (one window feeding two trainers); "
+                "use mode: offline, or train eagle3 alone"
+            )
+        return self
+
     @property
     def is_demo(self) -> bool:
         return self.target_model is None
@@ -425,6 +490,11 @@ class Settings(_Section):
         if self.draft_vocab_size > vocab_size:
             raise SettingsError(
                 f"draft_vocab_size: {self.draft_vocab_size} is larger than the target vocabulary ({vocab_size})"
+            )
+        mask = self.dflash.mask_token_id
+        if "dflash" in self.drafters and mask is not None and mask >= vocab_size:
+            raise SettingsError(
+                f"dflash.mask_token_id: {mask} is outside the target vocabulary (ids 0..{vocab_size - 1})"
             )
 
 

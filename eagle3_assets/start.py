@@ -53,7 +53,7 @@ from dagster import (
     evaluate_automation_conditions,
 )
 
-from eagle3_assets.defs.drafter.assets import DRAFTER, DRAFTER_RELEASE, drafter_eval
+from eagle3_assets.defs.drafter.assets import DRAFTER, DRAFTER_RELEASE, eval_key
 from eagle3_assets.defs.ops.runs import MAX_RETRIES_TAG, process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import (
     UnknownShardKey,
@@ -67,7 +67,7 @@ from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.leases import Lease
 from eagle3_assets.processes import STOP_GRACE_S, stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
-from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
+from eagle3_assets.settings import CONFIG_ENV, DRAFTER_FAMILIES, ROOT_ENV
 from eagle3_assets.stopping import Stopped, StopSignals
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ LAUNCHED_BY = "eagle3/launched_by"
 STOPPED_BY = "eagle3/stopped_by"  # the signal that stopped the run: a person or the cluster, not a fault
 RESPONSES = AssetKey("responses")
 ROLLING_POLL_S = 2.0
-EVALUATED = frozenset({drafter_eval.key, DRAFTER_RELEASE})  # a start through these runs drafter_eval
+# A start through these runs a drafter_eval.
+EVALUATED = frozenset({*(eval_key(f) for f in DRAFTER_FAMILIES), DRAFTER_RELEASE})
 START_LEASE_DIR = "start"
 
 Log = Callable[[str], None]

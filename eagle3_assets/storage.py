@@ -95,6 +95,14 @@ class ArtifactStore:
         copy._guard = guard
         return copy
 
+    def child(self, rel: str) -> ArtifactStore:
+        """The store rooted at `rel` of this one (this one when `rel` is empty), with the same guard."""
+        if not rel.strip("/"):
+            return self
+        child = ArtifactStore(self.url_of(rel), cache_dir=self._cache_dir)
+        child._guard = self._guard
+        return child
+
     def __repr__(self) -> str:
         return f"ArtifactStore({self.url!r})"
 

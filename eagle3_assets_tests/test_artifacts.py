@@ -26,15 +26,16 @@ PROPERTIES = {"is_demo": ("target_model",), "extraction_urls": ("server_url", "s
 DATA = ["prompts", "target_model", "responses", "tokenized", "token_freq", "vocab_map"]
 
 
-def parents_apart_from_deps(defs: Definitions, artifacts: Mapping[str, Artifact]) -> list[str]:
+def parents_apart_from_deps(defs: Definitions, artifacts: Mapping[str, Artifact], settings=None) -> list[str]:
     """Where an asset's parents and its Dagster deps differ with no reason given, or a reason names no difference."""
     graph, problems = defs.resolve_asset_graph(), []
     for key in graph.toposorted_asset_keys:
         artifact = artifacts[key.to_user_string()]
         deps = {k.to_user_string() for k in graph.get(key).parent_keys}
-        apart = set(artifact.parents) ^ deps
+        parents = artifact.parents_under(settings or tiny_settings())
+        apart = set(parents) ^ deps
         for name in sorted(apart - set(artifact.deps_apart)):
-            where = "a parent" if name in artifact.parents else "a Dagster dep"
+            where = "a parent" if name in parents else "a Dagster dep"
             problems.append(f"{artifact.name}: {name} is {where} only, and no reason is given")
         for name in sorted(set(artifact.deps_apart) - apart):
             problems.append(f"{artifact.name}: a reason is given for {name}, but parents and deps agree on it")
@@ -78,7 +79,7 @@ def provenance_fields(artifact: Artifact, settings, artifacts: Mapping[str, Arti
         if name not in seen:
             seen.add(name)
             fields |= set(artifacts[name].reads(Recording(settings, fields)))  # the consulted ones land in `fields`
-            todo += artifacts[name].parents
+            todo += artifacts[name].parents_under(settings)
     return fields
 
 
@@ -115,3 +116,38 @@ def test_a_setting_read_but_left_out_of_the_provenance_is_named(reads):
     responses = ARTIFACTS["responses"]
     left_out = replace(responses, reads=lambda s: tuple(f for f in responses.reads(s) if f != "generation.temperature"))
     assert unrecorded(left_out, settings, reads["responses"]) == ["generation.temperature"]
+
+
+def code_versions(settings, tmp_path) -> dict[str, str]:
+    defs = build_definitions(Project(settings, ArtifactStore(tmp_path)))
+    graph = defs.resolve_asset_graph()
+    return {k.to_user_string(): graph.get(k).code_version for k in graph.get_all_asset_keys() if graph.get(k).code_version}
+
+
+@pytest.mark.parametrize(
+    ("change", "redone"),
+    [
+        ({"dflash": {"block_size": 8}}, {"drafter_dflash"}),
+        ({"dflash": {"num_layers": 2}}, {"drafter_dflash"}),
+        ({"training": {"ttt_steps": 5}}, {"drafter"}),
+        ({"training": {"norm_output": False}}, {"drafter"}),
+        ({"training": {"lr": 5e-3}}, {"drafter", "drafter_dflash"}),
+    ],
+)
+def test_a_familys_own_setting_redoes_that_familys_drafter_alone(tmp_path, change, redone):
+    """Issue 43: each family's drafter is its own asset with its own provenance; a shared training setting redoes
+    both (what follows them, their evals and the release, follows their new versions)."""
+    base = tiny_settings().model_dump()
+    both = type(tiny_settings()).model_validate({**base, "drafters": ["eagle3", "dflash"]})
+    changed = type(both).model_validate(
+        {**both.model_dump(), **{k: {**both.model_dump()[k], **v} for k, v in change.items()}}
+    )
+    before, after = code_versions(both, tmp_path / "a"), code_versions(changed, tmp_path / "b")
+    assert {"drafter", "drafter_dflash", "drafter_eval_dflash"} <= set(before)
+    assert {k for k in before if before[k] != after.get(k)} == redone
+
+
+def test_with_both_families_each_assets_parents_are_its_dagster_deps_but_where_a_reason_is_named(tmp_path):
+    settings = type(tiny_settings()).model_validate({**tiny_settings().model_dump(), "drafters": ["eagle3", "dflash"]})
+    defs = build_definitions(Project(settings, ArtifactStore(tmp_path)))
+    assert parents_apart_from_deps(defs, ARTIFACTS, settings) == []

@@ -40,10 +40,11 @@ from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.evaluate import load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
-from eagle3_assets.drafter.train import build_drafter, train_drafter
+from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import (
     generate_in_subprocess,
     generate_runs_in_subprocess,

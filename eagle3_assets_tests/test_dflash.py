@@ -25,8 +25,10 @@ from eagle3_assets.drafter.dflash_export import (
 )
 from eagle3_assets.drafter.dflash_loss import choose_anchors, dflash_forward
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter, block_attention_mask
-from eagle3_assets.drafter.export import ExportError
-from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
+from eagle3_assets.drafter.export import EXPORT_DIR, ExportError
+from eagle3_assets.drafter.family import DFlash
+from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.settings import DFlashSettings, TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
 from .helpers import AUX_IDS, greedy_vocab_map, random_vocab_map, target_of, tiny_llama, write_shard
@@ -187,28 +189,21 @@ def served_target(tmp_path_factory):
     return target_dir, prompts, generated, store, keys, greedy_vocab_map(model, rows, draft=128)
 
 
-def train_dflash(served_target, steps: int = 150) -> DFlashDrafter:
-    """A few steps on the served text, straight through the objective: enough for partial acceptance."""
+def train_dflash(served_target) -> tuple[DFlashDrafter, Path]:
+    """Trained by the one training loop (`train_drafter` with the DFlash family), checkpointed and exported into
+    the family's own directory."""
     target_dir, _, _, store, keys, vmap = served_target
-    target = target_of(target_dir)
-    weights = load_target_weights(target)
-    cfg = DFlashConfig.from_target(target, draft_vocab_size=len(vmap.d2t), num_aux_layers=3, block_size=K,
-                                   mask_token_id=0, num_layers=1)  # fmt: skip
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=weights.embed_tokens.float())
-    head = TargetHead.from_weights(weights)
-    samples, _ = index_samples(store, keys)
-    batch = BatchLoader(store, samples, batch_tokens=10**6, seed=0).load(range(len(samples)))
-    targets = head.targets(batch.last, batch.pre_norm, model.t2d)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        out = dflash_forward(model, batch.input_ids, batch.aux.float(), batch.loss_mask, batch.lengths, targets,
-                             loss_decay=7.0, anchors_per_row=8, generator=gen)  # fmt: skip
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return model.eval()
+    settings = TrainingSettings(lr=1e-2, warmup_steps=5, epochs=60.0, batch_tokens=256, checkpoint_every=1000,
+                                heldout_rows=0)  # fmt: skip
+    family = DFlash(settings, DFlashSettings(block_size=K, anchors_per_row=8), mask_token_id=0)
+    result = train_drafter(store, keys, vmap=vmap, target=target_of(target_dir), settings=settings, family=family,
+                           log=lambda _: None)  # fmt: skip
+    assert result.finished and result.model.config.block_size == K
+    out = store.child(family.root)
+    assert result.checkpoint.startswith("drafter/checkpoints/") and out.exists(f"{result.checkpoint}/state.json")
+    assert not store.exists(result.checkpoint)  # nothing of it in EAGLE-3's directory
+    family.export(out, result.model.trainable_state_dict(), result.config, result.aux_layer_ids, EXPORT_DIR)
+    return result.model.eval(), out.local_path(EXPORT_DIR)
 
 
 @pytest.mark.slow
@@ -218,10 +213,8 @@ def test_vllm_serves_the_dflash_export_greedy_and_accepts_the_predicted_blocks(s
     from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 
     target_dir, prompts, generated, store, keys, _ = served_target
-    model = train_dflash(served_target)
-    export_dflash(store, model.trainable_state_dict(), model.config, aux_layer_ids=AUX_IDS, rel="dflash",
-                  dtype="float32")  # fmt: skip
-    export_dir = store.local_path("dflash")
+    model, export_dir = train_dflash(served_target)
+    assert json.loads((export_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 1, 2]
     runs = generate_runs_in_subprocess(
         target_dir, prompts, [{"num_speculative_tokens": K}, {"num_speculative_tokens": 2}],
         common={"draft_dir": export_dir, "method": "dflash", "max_tokens": SERVED},

@@ -11,6 +11,7 @@ import torch
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
 from eagle3_assets.drafter.evaluate import REFERENCE, evaluate_drafter
 from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import (
     export_digest,
@@ -18,7 +19,6 @@ from eagle3_assets.drafter.release import (
     released_figures,
 )
 from eagle3_assets.drafter.target_head import load_target_weights
-from eagle3_assets.drafter.train import build_drafter
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, dump_prompts
 from eagle3_assets.settings import EvaluationSettings
 from eagle3_assets.storage import ArtifactStore

@@ -11,10 +11,11 @@ import torch
 from dagster import AssetKey, DagsterInstance, materialize
 from safetensors.torch import save_file
 
-from eagle3_assets.defs.drafter.assets import RELEASE_CHECK, drafter_release
+from eagle3_assets.defs.drafter.assets import RELEASE_CHECK, drafter_release_asset
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
 from eagle3_assets.drafter.evaluate import ReferenceDrafterMissing, beside_drafters
 from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
     RELEASE_DIR,
     RELEASED,
@@ -65,7 +66,8 @@ def test_the_gate_never_releases_a_drafter_whose_drafts_are_not_accepted_or_that
 
 
 def write_export(store: ArtifactStore, scale: float) -> str:
-    """An export's files (the gate never loads them: their digest ties the report to them)."""
+    """An export's files (the gate never loads them: their digest ties the report to them); `store` is a family's
+    directory (`store.child(family_root(f))`)."""
     local = store.local_path(EXPORT_DIR)
     local.mkdir(parents=True, exist_ok=True)
     save_file({"fc.weight": torch.full((2, 2), scale)}, str(local / "model.safetensors"))
@@ -73,9 +75,11 @@ def write_export(store: ArtifactStore, scale: float) -> str:
     return export_digest(store)
 
 
-def release(project: Project, instance: DagsterInstance, eval_report: dict):
-    project.store.write_json(EVAL_REPORT_FILE, eval_report)
-    result = materialize([drafter_release], resources={"project": project}, instance=instance, raise_on_error=False)
+def release(project: Project, instance: DagsterInstance, eval_report: dict | None = None, families=("eagle3",)):
+    if eval_report is not None:
+        project.store.write_json(EVAL_REPORT_FILE, eval_report)
+    asset = drafter_release_asset(list(families))
+    result = materialize([asset], resources={"project": project}, instance=instance, raise_on_error=False)
     event = instance.get_latest_materialization_event(AssetKey("drafter_release"))
     evaluations = [
         e.event_specific_data
@@ -183,7 +187,9 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
         first = write_export(store, 1.0)
         result, _, _ = release(project, instance, report_json(3.0, 4.0, export_sha256=first))
         assert result.success and store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
-        assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
+        assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
+            RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+        }
 
         # Another target: its drafter is judged alone (the old release is not served beside it) ...
         made_target(store, "target-b")
@@ -212,7 +218,9 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
 
     # A release made before releases named their target stays the baseline (replacing one cannot be undone).
     store.write_json(f"{RELEASE_DIR}/release.json", {"acceptance": {"k3": 2.0}})
-    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
+    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
+        RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+    }
 
 
 def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_and_refuses_a_missing_reference(
@@ -233,5 +241,46 @@ def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_
     )
     (reference / "model.safetensors").write_bytes(b"")
     assert beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path) == {
-        RELEASED: tmp_path / "store" / RELEASE_DIR, "reference": reference
+        RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3"), "reference": (reference, "eagle3")
     }
+
+
+def test_the_release_takes_the_better_family_and_the_other_stays_unreleased_naming_both_figures(tmp_path):
+    """Issue 43: one release per target, across families, by the same rules; release.json names the family."""
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(), store)
+    eagle3, dflash = store, store.child(family_root("dflash"))
+    with DagsterInstance.ephemeral() as instance:
+        eagle3.write_json(EVAL_REPORT_FILE, report_json(2.5, 3.2, export_sha256=write_export(eagle3, 1.0)))
+        dflash.write_json(EVAL_REPORT_FILE, report_json(2.6, 3.9, export_sha256=write_export(dflash, 2.0)))
+        result, meta, check = release(project, instance, families=("eagle3", "dflash"))
+        assert result.success and check.passed and meta["family"].value == "dflash"
+        assert check.description == (
+            "first release: k=3 2.600, k=7 3.900; eagle3 serves at mean acceptance length 3.200 at k=7, dflash at "
+            "3.900 (same prompts, k and engine): dflash is released, eagle3 is not"
+        )
+        record = store.read_json(f"{RELEASE_DIR}/release.json")
+        assert record["family"] == "dflash" and record["export"] == dflash.url_of(EXPORT_DIR)
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 2.0}\n'
+        assert beside_drafters(store, EvaluationSettings(), tmp_path)[RELEASED][1] == "dflash"  # served as DFlash
+
+        # Both retrained, each served beside the released DFlash drafter: EAGLE-3 now beats it, DFlash does not.
+        beside = {RELEASED: report_json(2.6, 3.9, dir="release")}
+        eagle3.write_json(EVAL_REPORT_FILE, report_json(2.7, 4.0, export_sha256=write_export(eagle3, 3.0), beside=beside))
+        dflash.write_json(EVAL_REPORT_FILE, report_json(2.5, 3.8, export_sha256=write_export(dflash, 4.0), beside=beside))
+        result, meta, check = release(project, instance, families=("eagle3", "dflash"))
+        assert result.success and meta["family"].value == "eagle3"
+        assert "the new export serves at mean acceptance length 2.500 at k=3, the released drafter at 2.600" in (
+            check.description
+        )
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["family"] == "eagle3"
+
+        # Neither beats the release: nothing is promoted, and the check names each family's figures.
+        beside = {RELEASED: report_json(2.7, 4.0, dir="release")}
+        eagle3.write_json(EVAL_REPORT_FILE, report_json(2.6, 3.9, export_sha256=write_export(eagle3, 5.0), beside=beside))
+        dflash.write_json(EVAL_REPORT_FILE, report_json(2.7, 3.95, export_sha256=write_export(dflash, 6.0), beside=beside))
+        result, meta, check = release(project, instance, families=("eagle3", "dflash"))
+        assert not result.success and not check.passed and meta["promoted"].value is False
+        assert (meta["eagle3_k7"].value, meta["dflash_k7"].value, meta["released_k7"].value) == (3.9, 3.95, 4.0)
+        assert "3.950 at k=7, the released drafter at 4.000" in check.description
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["family"] == "eagle3"  # it stayed

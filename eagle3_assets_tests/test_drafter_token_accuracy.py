@@ -12,6 +12,7 @@ from eagle3_assets.demo.world import demo_world, single_fact_conversation, templ
 from eagle3_assets.drafter.data import BatchLoader, heldout_batches, index_samples
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.evaluate import EvalReport
+from eagle3_assets.drafter.family import Eagle3
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import TOKEN_CLASSES, ClassAccuracy, LabeledRow, class_accuracy, label_rows
 from eagle3_assets.drafter.train import evaluate
@@ -92,7 +93,9 @@ def test_class_accuracy_is_the_training_objectives_acc_k_restricted_to_each_clas
     refs, _ = index_samples(store, [key])
     loader = BatchLoader(store, refs, batch_tokens=1000, seed=0)
     settings = TrainingSettings(ttt_steps=3, step_weight=0.8)
-    trained = evaluate(model, head, loader, heldout_batches(refs, 1000), settings=settings, device=torch.device("cpu"))
+    trained = evaluate(
+        model, head, loader, heldout_batches(refs, 1000), family=Eagle3(settings), device=torch.device("cpu")
+    )
     assert acc["all"].acc == pytest.approx([trained[f"acc_{k}"] for k in range(3)], abs=1e-6)
     for k in range(3):
         n_all, n_even, n_odd = (acc[c].predictions[k] for c in ("all", "template", "fact"))

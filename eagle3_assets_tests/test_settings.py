@@ -140,4 +140,38 @@ def test_a_prompt_file_without_held_out_prompts_cannot_be_evaluated_and_the_star
         Settings(prompts="/data/prompts.jsonl").check_evaluable()
     Settings(prompts="/data/prompts.jsonl", eval_prompts="/data/heldout.jsonl").check_evaluable()
     Settings().check_evaluable()  # the demo brings its own held-out prompts
-    assert {k.to_user_string() for k in EVALUATED} == {"drafter_eval", "drafter_release"}  # not --through drafter
+    # not --through drafter
+    assert {k.to_user_string() for k in EVALUATED} == {"drafter_eval", "drafter_eval_dflash", "drafter_release"}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("drafters: [eagle3, medusa]\n",
+         "drafters: Value error, drafter family 'medusa' does not exist; the families are eagle3, dflash"),
+        ("drafters: [dflash]\ndflash: {block_size: 3}\n",
+         "(top level): Value error, dflash.block_size: 3 mask slots, but drafter_eval serves 7 speculative tokens and "
+         "vLLM would draft the slots past the block untrained; set it to at least 7"),
+        ("drafters: [eagle3, dflash]\naux_layer_ids: [1, 2, 3]\ndflash: {aux_layer_ids: [1, 4]}\n",
+         "(top level): Value error, dflash.aux_layer_ids: layers [4] are not among the stored aux_layer_ids [1, 2, 3]; "
+         "the shards hold only those"),
+        ("drafters: [eagle3, dflash]\ntraining: {mode: rolling}\n",
+         "(top level): Value error, drafters: dflash with training.mode rolling is not supported yet (one window "
+         "feeding two trainers); use mode: offline, or train eagle3 alone"),
+    ],
+)
+def test_a_drafter_family_setting_that_cannot_be_trained_or_served_is_refused_naming_the_field(
+    tmp_path: Path, config: str, message: str
+):
+    """Issue 43: refused when the settings load, before any data is built for it."""
+    with pytest.raises(SettingsError) as e:
+        load_settings(write_config(tmp_path, config))
+    assert str(e.value) == f"invalid settings in {tmp_path / 'eagle3.yaml'}:\n  {message}"
+
+
+def test_a_mask_token_outside_the_targets_vocabulary_is_refused_naming_the_field():
+    settings = Settings(drafters=["eagle3", "dflash"], dflash={"mask_token_id": 300}, draft_vocab_size=128)
+    with pytest.raises(SettingsError) as e:
+        settings.check_against_target(vocab_size=256)
+    assert str(e.value) == "dflash.mask_token_id: 300 is outside the target vocabulary (ids 0..255)"
+    Settings(dflash={"mask_token_id": 300}, draft_vocab_size=128).check_against_target(vocab_size=256)  # not trained

@@ -42,6 +42,7 @@ from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
+from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
     RELEASE_DIR,
     RELEASE_RECORD,
@@ -199,14 +200,15 @@ def eval_prompt_ids(
 
 def beside_drafters(
     store: ArtifactStore, settings: EvaluationSettings, tmp: Path, log: Callable[[str], None] = print
-) -> dict[str, Path]:
-    """The drafters served beside ours: the one released for this target when there is one, and the reference
-    when set."""
-    out: dict[str, Path] = {}
+) -> dict[str, tuple[Path, str]]:
+    """The drafters served beside ours, with the vLLM method each is served by: the one released for this target
+    when there is one (of whichever family won the release), and the reference (an EAGLE-3 export) when set."""
+    out: dict[str, tuple[Path, str]] = {}
     if other := other_target(store, target_version(store)):
         log(f"drafter_eval: {other}: not served beside the new export")
     elif store.exists(RELEASE_RECORD):
-        out[RELEASED] = local_copy(store, RELEASE_DIR, tmp / "release")
+        family = store.read_json(RELEASE_RECORD).get("family", "eagle3")  # releases before families were EAGLE-3
+        out[RELEASED] = (local_copy(store, RELEASE_DIR, tmp / "release"), family)
     if settings.reference_drafter is not None:
         ref = Path(settings.reference_drafter)
         missing = [n for n in ("config.json", "model.safetensors") if not (ref / n).is_file()]
@@ -215,7 +217,7 @@ def beside_drafters(
                 f"evaluation.reference_drafter {ref}: no {' or '.join(missing)} there; name a local EAGLE-3 export "
                 "directory (download a published drafter first) or remove the setting"
             )
-        out[REFERENCE] = ref
+        out[REFERENCE] = (ref, "eagle3")
     return out
 
 
@@ -240,10 +242,13 @@ def evaluate_drafter(
     *,
     max_tokens: int | None = None,
     log: Callable[[str], None] = print,
+    family: str = "eagle3",
 ) -> EvalReport:
-    """Serve the export with the target on the held-out prompts; writes `drafter_eval/report.json`."""
-    for rel in (EXPORT_DIR, RELEASE_DIR):  # a replacement a kill interrupted is finished, never read half done
-        store.settle(rel)
+    """Serve `family`'s export with the target on the held-out prompts (vLLM's method of that name); writes
+    `drafter_eval/report.json` in the family's directory (`family.family_root`)."""
+    out = store.child(family_root(family))
+    out.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
+    store.settle(RELEASE_DIR)
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
@@ -252,21 +257,22 @@ def evaluate_drafter(
     report = EvalReport(
         prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)),
         prompts_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
-        export_sha256=export_digest(store),
+        export_sha256=export_digest(out),
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
-        export_dir = local_copy(store, EXPORT_DIR, Path(tmp) / "export")
-        beside = [(name, d, k) for name, d in beside_drafters(store, settings.evaluation, Path(tmp), log).items()
+        export_dir = local_copy(out, EXPORT_DIR, Path(tmp) / "export")
+        beside = [(name, d, method, k)
+                  for name, (d, method) in beside_drafters(store, settings.evaluation, Path(tmp), log).items()
                   for k in SPECULATIVE_TOKENS]  # fmt: skip
 
         variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
         labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
-        labels += [f"{name} k={k}" for name, _, k in beside]
+        labels += [f"{name} k={k}" for name, _, _, k in beside]
         timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
         log(
             f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM ({max_tokens} tokens each), "
-            f"plain and with the drafter at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as trained, "
-            f"then zeroed){''.join(f', {name} beside' for name, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
+            f"plain and with the {family} drafter at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as "
+            f"trained, then zeroed){''.join(f', {name} beside' for name, _, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
             f"{len(labels)} passes, timeout {timeout_s:.0f}s"
         )
         started = time.monotonic()
@@ -279,8 +285,9 @@ def evaluate_drafter(
             target.path,
             prompt_ids,
             [{}]
-            + [{"draft_dir": export_dir, "num_speculative_tokens": k, "zero_fc": zeroed} for k, zeroed in variants]
-            + [{"draft_dir": d, "num_speculative_tokens": k} for _, d, k in beside],
+            + [{"draft_dir": export_dir, "method": family, "num_speculative_tokens": k, "zero_fc": zeroed}
+               for k, zeroed in variants]
+            + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
             common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
             timeout_s=timeout_s,
             on_result=on_result,
@@ -288,17 +295,19 @@ def evaluate_drafter(
         )
         for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
             report.add_run(k, zeroed, plain, spec, log)
-        for (name, d, k), spec in zip(beside, speculative[len(variants) :], strict=True):
+        for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
             report.add_beside(name, str(d), k, plain, spec)
-        log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
-        report.token_accuracy, report.off_reference = token_class_accuracy(
-            target, settings, export_dir, prompts, prompt_ids, plain.outputs
-        )
+        # By token class through EAGLE-3's TTT unroll; a block drafter's classes would need its own (not yet).
+        if family == "eagle3":
+            log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
+            report.token_accuracy, report.off_reference = token_class_accuracy(
+                target, settings, export_dir, prompts, prompt_ids, plain.outputs
+            )
         for c, acc in report.token_accuracy.items():
             if acc.predictions[0]:
                 log(f"drafter_eval: {c} tokens ({acc.predictions[0]}): acc_0 {acc.acc[0]:.3f}")
-    report.heldout_training_metrics = heldout_metrics(store)
-    store.write_json(
+    report.heldout_training_metrics = heldout_metrics(out)
+    out.write_json(
         EVAL_REPORT_FILE,
         {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches},
     )

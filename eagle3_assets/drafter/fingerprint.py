@@ -19,13 +19,16 @@ def run_fingerprint(
     world_size: int,
     total_steps: int,
     inputs: Mapping[str, str] | None = None,
+    family: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint must agree on to be resumed: the data plan, the schedule and the versions of the data
-    (`inputs`: the target, tokenized rows and vocab map it trains on, docs/DESIGN.md §9)."""
+    """What a checkpoint must agree on to be resumed: the data plan, the schedule, the versions of the data
+    (`inputs`: the target, tokenized rows and vocab map it trains on, docs/DESIGN.md §9) and the family's own
+    settings (`Family.fingerprint`; none for EAGLE-3, whose recipe is the training settings)."""
     s = settings.model_dump()
     for volatile in TRAINING_VOLATILE:
         s.pop(volatile)
     return {
+        **({"family": dict(family)} if family else {}),
         "inputs": dict(inputs or {}),
         "settings": s,
         "shards": list(shard_keys),

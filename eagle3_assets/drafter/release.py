@@ -107,15 +107,19 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
     return hashlib.sha256(store.read_bytes(f"{rel}/model.safetensors")).hexdigest()
 
 
-def decide(store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float) -> Decision:
-    """`release_decision` on the report of the export now in the store, against the drafter released for `target`
-    (nothing released for it: a first release, which replaces a release of another target, saying so)."""
-    for rel in (EXPORT_DIR, RELEASE_DIR):  # a replacement a kill interrupted is finished, never read half done
-        store.settle(rel)
-    if report.export_sha256 != export_digest(store):
+def decide(
+    store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float, source: ArtifactStore | None = None
+) -> Decision:
+    """`release_decision` on the report of the export now in `source` (a family's directory, `family.family_root`;
+    the store itself by default), against the drafter released for `target` (nothing released for it: a first
+    release, which replaces a release of another target, saying so)."""
+    source = source or store
+    source.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
+    store.settle(RELEASE_DIR)
+    if report.export_sha256 != export_digest(source):
         raise NotComparable(
             f"the drafter_eval report ({report.export_sha256 or 'no digest'}) is not of the export now at "
-            f"{store.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
+            f"{source.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
         )
     other = other_target(store, target)
     decision = release_decision(report, None if other else released_figures(store, report), min_acceptance)
@@ -143,27 +147,53 @@ def released_figures(store: ArtifactStore, report: ServedReport) -> dict[str, fl
     return beside.acceptance
 
 
-def promote(store: ArtifactStore, decision: Decision, report: ServedReport, target: str) -> str:
-    """Copy the export to `drafter/release/` with the figures it was released on and the version of the target
-    it was released for; returns the release's URL."""
+def promote(
+    store: ArtifactStore, decision: Decision, report: ServedReport, target: str, source: ArtifactStore | None = None,
+    family: str = "eagle3",
+) -> str:  # fmt: skip
+    """Copy `family`'s export (in `source`, the store by default) to `drafter/release/` with the figures it was
+    released on, its family and the version of the target it was released for; returns the release's URL."""
+    source = source or store
     with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
-        for name in store.listdir(EXPORT_DIR):
-            (Path(tmp) / name).write_bytes(store.read_bytes(f"{EXPORT_DIR}/{name}"))
+        for name in source.listdir(EXPORT_DIR):
+            (Path(tmp) / name).write_bytes(source.read_bytes(f"{EXPORT_DIR}/{name}"))
         copied = hashlib.sha256((Path(tmp) / "model.safetensors").read_bytes()).hexdigest()
         if copied != report.export_sha256:  # rewritten between drafter_eval and now: not what was judged
             raise NotComparable(
-                f"the export at {store.url_of(EXPORT_DIR)} changed since drafter_eval served it (sha256 {copied}, "
+                f"the export at {source.url_of(EXPORT_DIR)} changed since drafter_eval served it (sha256 {copied}, "
                 f"served {report.export_sha256}): not released; rematerialize drafter_eval"
             )
         record = {
             "target": target,
+            "family": family,
             "acceptance": decision.candidate,
             "replaced": decision.released,
             "reason": decision.reason,
-            "export": store.url_of(EXPORT_DIR),
+            "export": source.url_of(EXPORT_DIR),
             "export_sha256": report.export_sha256,
             "report": report.about,
         }
         (Path(tmp) / "release.json").write_text(json.dumps(record, indent=2) + "\n")
         store.put_dir(tmp, RELEASE_DIR)
     return store.url_of(RELEASE_DIR)
+
+
+def choose(decisions: dict[str, Decision]) -> tuple[str | None, dict[str, str]]:
+    """Across families, each judged against the released drafter by `decide`: the one to promote (the highest mean
+    acceptance length at the largest k among those `decide` would promote; on a tie, the first named) and why each
+    other one is not. None when no family passes."""
+    passing = [f for f, d in decisions.items() if d.promote]
+    reasons = {f: d.reason for f, d in decisions.items() if not d.promote}
+    if not passing:
+        return None, reasons
+    k = max(decisions[passing[0]].candidate, key=lambda name: int(name[1:]))
+    best = max(passing, key=lambda f: decisions[f].candidate.get(k, 0.0))
+    won = decisions[best].candidate
+    for f in passing:
+        if f != best:
+            mine = decisions[f].candidate
+            reasons[f] = (
+                f"{f} serves at mean acceptance length {mine.get(k, 0.0):.3f} at k={k[1:]}, {best} at {won[k]:.3f} "
+                f"(same prompts, k and engine): {best} is released, {f} is not"
+            )
+    return best, reasons

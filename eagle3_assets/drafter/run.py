@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from eagle3_assets.artifacts import drafter_artifact
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.family import family_of
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
@@ -47,18 +49,22 @@ def train_and_export(
     on_eval: MetricsCallback | None = None,
     log: LogFn = print,
     max_steps: int | None = None,
+    family: str = "eagle3",
 ) -> DrafterRun:
-    """Train on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each as it
-    passes its check), then export once finished."""
+    """Train `family`'s drafter on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each
+    as it passes its check), then export once finished, into the family's directory (`Family.root`)."""
     # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
-    want = expected("drafter", Inputs(settings, store))
+    want = expected(drafter_artifact(family), Inputs(settings, store))
     # The data's versions and the extraction settings the shards were made with: none is in the run's settings.
     extracted = {k: json.dumps(want.settings[k]) for k in ("aux_layer_ids", "extraction.storage_dtype", "shard_size")}
     inputs = {**want.inputs, **extracted}
+    trained = family_of(family, settings, target)
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
         on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
+        family=trained,
     )  # fmt: skip
+    out = store.child(trained.root)
     best = result.best
     summary = {
         "step": result.step,
@@ -71,9 +77,9 @@ def train_and_export(
     }
     url = None
     if result.finished and DistEnv.from_environ().is_main:
-        tensors, summary["exported_step"] = export_choice(store, result, settings.training.export_checkpoint, log)
-        url = export_drafter(store, tensors, result.config, aux_layer_ids=result.aux_layer_ids)
-        store.write_json(DRAFTER_METRICS_FILE, summary)
+        tensors, summary["exported_step"] = export_choice(out, result, settings.training.export_checkpoint, log)
+        url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR)
+        out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
 
 
@@ -95,12 +101,14 @@ def export_choice(
 
 
 def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
-    """What the `drafter` asset's materialization shows: the summary, the export and where to look.
+    """What the drafter asset's materialization shows: the summary, the export and where to look.
 
     The same on every rank (the metrics are summed over ranks; rank 0 writes the export)."""
+    store = store.child(run.result.family.root)
     return {
         **run.summary,
-        "aux_layer_ids": run.result.aux_layer_ids,
+        "family": run.result.family.name,
+        "aux_layer_ids": run.result.family.aux_layer_ids(run.result.aux_layer_ids),
         "evaluations": run.result.evaluations,
         "export": store.url_of(EXPORT_DIR) if run.result.finished else "",
         "checkpoint": store.url_of(run.result.checkpoint),

@@ -44,6 +44,7 @@ from eagle3_assets.drafter.data import (
     SampleRef,
     heldout_batches,
 )
+from eagle3_assets.drafter.dflash_model import DFlashConfig
 from eagle3_assets.drafter.distributed import (
     DistEnv,
     all_gather_ints,
@@ -53,13 +54,14 @@ from eagle3_assets.drafter.distributed import (
     pick_device,
 )
 from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.drafter.family import Eagle3, Family
 from eagle3_assets.drafter.fingerprint import (
     differences,
     run_fingerprint,
     with_settings_added_later,
 )
 from eagle3_assets.drafter.metrics import StepCounts
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
 from eagle3_assets.drafter.selection import (
     Evaluation,
@@ -70,7 +72,6 @@ from eagle3_assets.drafter.selection import (
 from eagle3_assets.drafter.sources import ShardEventCallback, offline_data, rolling_data
 from eagle3_assets.drafter.target_head import (
     TargetHead,
-    TargetWeights,
     load_target_weights,
 )
 from eagle3_assets.drafter.tensorboard import TensorBoard
@@ -92,21 +93,6 @@ class NonFiniteLossError(TrainingError):
 
 
 # -- model and schedule -----------------------------------------------------------
-
-
-def build_drafter(
-    cfg: DrafterConfig, target: TargetWeights, vmap: VocabMap, seed: int, *, train_lm_head: bool = True
-) -> Eagle3Drafter:
-    """A fresh drafter: seeded init, the target's embedding copied in (frozen), and lm_head
-    started from the target's lm_head rows of the draft vocab, the layer the drafter's
-    output feeds at serving time, so early steps already rank tokens sensibly (and stay
-    there when it is frozen)."""
-    torch.manual_seed(seed)
-    model = Eagle3Drafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=target.embed_tokens.clone())
-    with torch.no_grad():
-        model.lm_head.weight.copy_(target.lm_head[model.d2t + torch.arange(cfg.draft_vocab_size)].float())
-    model.lm_head.weight.requires_grad_(train_lm_head)
-    return model
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -141,31 +127,30 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def evaluate(
-    model: Eagle3Drafter,
+    model: nn.Module,
     head: TargetHead,
     loader: BatchLoader,
     batches: Sequence[Sequence[int]],
     *,
-    settings: TrainingSettings,
+    family: Family,
     device: torch.device,
 ) -> dict[str, float]:
     """loss/acc_k over `batches` of `loader`'s samples (all ranks' shares summed)."""
     model.eval()
-    counts = StepCounts.zeros(settings.ttt_steps)
+    counts = StepCounts.zeros(family.steps)
     for idx in batches:
         b = loader.load(idx).to(device)
         targets = head.targets(b.last, b.pre_norm, model.t2d)
         with autocast(device):
-            out = objective(settings)(
-                model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets, positions=b.positions, segments=b.segments
-            )
+            out = family.objective(model, b, targets, None)
         counts.add(out)
     model.train()
-    return counts.all_reduce().metrics(settings.step_weight)
+    return counts.all_reduce().metrics(family.step_weight)
 
 
 def objective(s: TrainingSettings) -> Callable[..., TTTOutput]:
-    """`ttt_forward` with the run's unroll length, step weights, loss and loss positions."""
+    """`ttt_forward` with the run's unroll length, step weights, loss and loss positions (the EAGLE-3 step alone, as
+    `benchmarks/gpu_check.py` times it)."""
     return partial(
         ttt_forward, num_steps=s.ttt_steps, step_weight=s.step_weight, loss=s.loss, loss_positions=s.loss_positions
     )
@@ -183,9 +168,10 @@ class TrainResult:
     heldout: dict[str, float]  # loss / acc_k / accept_len_k over the held-out rows, when finished and any are held out
     checkpoint: str  # the newest checkpoint directory (store-relative)
     resumed_from: int | None  # step of the checkpoint this call started from
-    config: DrafterConfig
-    aux_layer_ids: list[int]
-    model: Eagle3Drafter = field(repr=False)  # trained, on CPU
+    config: DrafterConfig | DFlashConfig
+    aux_layer_ids: list[int]  # the aux layers the shards hold (the family reads its own of them: `Family.aux_layer_ids`)
+    model: nn.Module = field(repr=False)  # trained, on CPU: an Eagle3Drafter or a DFlashDrafter
+    family: Family = field(repr=False)
     fingerprint: dict[str, Any] = field(repr=False)  # the run's (`run_fingerprint`)
     evaluations: list[Evaluation] = field(default_factory=list)  # held-out evaluations, in step order
     stopped_early: bool = False  # finished before total_steps by training.early_stop_evals
@@ -212,13 +198,15 @@ def _check_inputs(fmt: SampleFormat, target: TargetModel, vmap: VocabMap) -> Non
 class _Run:
     """What one call of train_drafter holds while it trains."""
 
-    store: ArtifactStore
+    store: ArtifactStore  # the shards
+    out: ArtifactStore  # the family's checkpoints, best weights and TensorBoard (`Family.root`)
     settings: TrainingSettings
+    family: Family
     env: DistEnv
     device: torch.device
     fmt: SampleFormat
-    cfg: DrafterConfig
-    model: Eagle3Drafter
+    cfg: DrafterConfig | DFlashConfig
+    model: nn.Module
     step_model: nn.Module  # the model, wrapped in DistributedDataParallel when WORLD_SIZE > 1
     head: TargetHead
     loader: BatchLoader | RollingLoader
@@ -240,10 +228,7 @@ class _Run:
         b = batch.to(self.device)
         targets = self.head.targets(b.last, b.pre_norm, self.model.t2d)  # the target's distribution, from stored states
         with autocast(self.device):
-            out = objective(s)(
-                self.step_model, b.input_ids, b.aux, b.loss_mask, b.lengths, targets,
-                positions=b.positions, segments=b.segments,
-            )  # fmt: skip
+            out = self.family.objective(self.step_model, b, targets, step)
         # Every rank stops together: one rank's NaN would reach all of them through the gradient all-reduce.
         non_finite, tokens = all_reduce_sum(
             torch.tensor([0.0 if torch.isfinite(out.loss) else 1.0, float(batch.num_tokens)], dtype=torch.float64)
@@ -259,9 +244,9 @@ class _Run:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        counts = StepCounts.zeros(s.ttt_steps)
+        counts = StepCounts.zeros(self.family.steps)
         counts.add(out)
-        metrics = counts.all_reduce().metrics(s.step_weight)
+        metrics = counts.all_reduce().metrics(self.family.step_weight)
         metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=tokens)
         return metrics
 
@@ -273,7 +258,7 @@ class _Run:
             return out.loss
         n = out.averaged_over.double().cpu()
         share = n * self.env.world_size / all_reduce_sum(n).clamp(min=1)
-        w = torch.tensor([self.settings.step_weight**k for k in range(len(n))], dtype=torch.float64)
+        w = torch.tensor([self.family.step_weight**k for k in range(len(n))], dtype=torch.float64)
         return (out.step_terms * (share * w).to(out.step_terms)).sum()
 
     def _stop_non_finite(self, step: int, batch: Batch, what: str) -> None:
@@ -288,7 +273,7 @@ class _Run:
         rel = checkpoint_rel(step)
         if self.env.is_main:
             save_checkpoint(
-                self.store, step, model_tensors=self.model.trainable_state_dict(), optimizer=self.optimizer,
+                self.out, step, model_tensors=self.model.trainable_state_dict(), optimizer=self.optimizer,
                 param_names=self.param_names, scheduler=self.scheduler,
                 state={
                     "next_position": {"epoch": next_pos.epoch, "batch": next_pos.batch},
@@ -331,7 +316,7 @@ class _Run:
                     if on_metrics is not None:
                         on_metrics(step, metrics)
                     if step % log_every == 0 or step == stop_at:
-                        accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.settings.ttt_steps))
+                        accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.family.steps))
                         log(
                             f"drafter: step {step}/{self.total_steps} loss {metrics['loss']:.4f} acc_k {accs} "
                             f"lr {metrics['lr']:.2e}"
@@ -368,13 +353,13 @@ class _Run:
         best = self.evals[best_index(self.evals) or 0]
         if self.env.is_main:
             if best is record:
-                save_best(self.store, self.model.trainable_state_dict(), record, self.fingerprint)
+                save_best(self.out, self.model.trainable_state_dict(), record, self.fingerprint)
             if tb is not None:
                 tb.scalars(step, {f"heldout_{k}": v for k, v in heldout.items()})
             if on_eval is not None:
                 on_eval(step, {f"heldout_{k}": v for k, v in heldout.items()})
             log(
-                f"drafter: step {step}/{self.total_steps} held-out {heldout_line(heldout, self.settings.ttt_steps)} "
+                f"drafter: step {step}/{self.total_steps} held-out {heldout_line(heldout, self.family.steps)} "
                 f"(best accept_len_k3 {best['accept_len_k3']:.3f} at step {best['step']})"
             )
         return record
@@ -385,7 +370,7 @@ class _Run:
         loader = BatchLoader(self.store, self.heldout, batch_tokens=s.batch_tokens, seed=s.seed, world_size=env.world_size)
         return evaluate(
             self.model, self.head, loader, heldout_batches(self.heldout, budget, env.rank, env.world_size),
-            settings=s, device=self.device,
+            family=self.family, device=self.device,
         )  # fmt: skip
 
 
@@ -407,6 +392,7 @@ def _prepare(
     vmap: VocabMap,
     target: TargetModel,
     settings: TrainingSettings,
+    family: Family,
     intermediate_size: int | None,
     data_workers: int,
     log: LogFn,
@@ -422,12 +408,7 @@ def _prepare(
         fmt, loader, held = offline_data(store, shard_keys, settings, env, data_workers)
     _check_inputs(fmt, target, vmap)
     weights = load_target_weights(target)
-    cfg = DrafterConfig.from_target(
-        target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size,
-        norm_before_fc=settings.norm_before_fc, norm_before_residual=settings.norm_before_residual,
-        norm_output=settings.norm_output,
-    )  # fmt: skip
-    model = build_drafter(cfg, weights, vmap, settings.seed, train_lm_head=settings.train_lm_head).to(device)
+    model = family.build(target, weights, vmap, fmt.aux_layer_ids, settings.seed, intermediate_size).to(device)
     head = TargetHead.from_weights(weights).to(device)
     total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -440,11 +421,12 @@ def _prepare(
         step_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     n_train = len(loader.samples)
     return _Run(
-        store=store, settings=settings, env=env, device=device, fmt=fmt, cfg=cfg, model=model, step_model=step_model,
+        store=store, out=store.child(family.root), settings=settings, family=family, env=env, device=device, fmt=fmt,
+        cfg=model.config, model=model, step_model=step_model,
         head=head, loader=loader, heldout=held, optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, total)),
         param_names=[n for n, _ in named], total_steps=total,
-        fingerprint=run_fingerprint(settings, shard_keys, n_train, len(held), env.world_size, total, inputs),
+        fingerprint=run_fingerprint(settings, shard_keys, n_train, len(held), env.world_size, total, inputs, family.fingerprint()),
         window=window, ledger=[] if settings.sample_ledger else None,
     )  # fmt: skip
 
@@ -456,30 +438,30 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0 (not in rolling
     mode, where the shards that run consumed are gone: that one always refuses)."""
     if run.env.is_main:  # a checkpoint write a kill left: finished (after its intent) or removed, before any rank looks
-        run.store.remove_temporaries(CHECKPOINTS_DIR)
+        run.out.remove_temporaries(CHECKPOINTS_DIR)
     barrier()
-    rel = latest_checkpoint(run.store)
+    rel = latest_checkpoint(run.out)
     if rel is None:
         return 0, DataPosition(), "", {}
-    saved = read_checkpoint_state(run.store, rel)
+    saved = read_checkpoint_state(run.out, rel)
     if diffs := differences(with_settings_added_later(saved.run), run.fingerprint):
-        where = run.store.url_of(CHECKPOINTS_DIR)
+        where = run.out.url_of(CHECKPOINTS_DIR)
         if other_run == "fresh" and run.window is None:
             barrier()  # every rank has read the checkpoint's state before rank 0 removes it
             if run.env.is_main:
-                log(f"drafter: not resuming {run.store.url_of(rel)}, made by another run ({'; '.join(diffs)}); "
+                log(f"drafter: not resuming {run.out.url_of(rel)}, made by another run ({'; '.join(diffs)}); "
                     f"removing {where} and starting fresh")  # fmt: skip
-                run.store.remove(CHECKPOINTS_DIR, recursive=True)
+                run.out.remove(CHECKPOINTS_DIR, recursive=True)
             barrier()
             return 0, DataPosition(), "", {}
         raise CheckpointError(
-            f"{run.store.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
+            f"{run.out.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
             f"remove {where} (or pass resume=False) to start over"
             + ("; in rolling mode the shards it consumed are gone: remove drafter/ and the released shards' "
                "directories under hidden_states/, which are then extracted again" if run.window is not None else "")
         )  # fmt: skip
     ck = load_checkpoint(
-        run.store, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler
+        run.out, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler
     )
     pos = DataPosition(*ck.next_position)
     if run.env.is_main:
@@ -513,7 +495,7 @@ def _final_heldout(
     if not heldout:
         heldout = {k: v for k, v in run.evaluation(step, tb=tb, on_eval=on_eval, log=log).items() if k != "step"}
     if run.env.is_main:
-        log(f"drafter: held-out ({len(run.heldout)} rows) {heldout_line(heldout, run.settings.ttt_steps)}")
+        log(f"drafter: held-out ({len(run.heldout)} rows) {heldout_line(heldout, run.family.steps)}")
     return heldout
 
 
@@ -535,6 +517,7 @@ def train_drafter(
     on_shard: ShardEventCallback | None = None,
     inputs: Mapping[str, str] | None = None,
     other_run: OtherRun = "refuse",
+    family: Family | None = None,
 ) -> TrainResult:
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
@@ -548,23 +531,24 @@ def train_drafter(
     training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
     0 when one starts training and when it is released.
     """
+    family = family or Eagle3(settings)
     env = DistEnv.from_environ()
     device = pick_device(settings.device, env)
     owns_group = init_distributed(env, device, timeout_s=settings.launch.collective_timeout_s)
     try:
         run = _prepare(
-            store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings,
+            store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings, family=family,
             intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard, inputs=inputs,
         )  # fmt: skip
         step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
         if ckpt_rel:
-            run.evals = list(read_checkpoint_state(store, ckpt_rel).state.get("evals") or [])
+            run.evals = list(read_checkpoint_state(run.out, ckpt_rel).state.get("evals") or [])
         stopped_early = step < run.total_steps and stops_early(run.evals, settings.early_stop_evals)
         if env.is_main and not ckpt_rel:
             _announce(run, log)
         stop_at = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
-        tb = TensorBoard(store, step) if env.is_main else None
+        tb = TensorBoard(run.out, step) if env.is_main else None
         heldout: dict[str, float] = {}
         try:
             if step < stop_at and not stopped_early:
@@ -593,6 +577,7 @@ def train_drafter(
         config=run.cfg,
         aux_layer_ids=list(run.fmt.aux_layer_ids),
         model=run.model.cpu(),
+        family=family,
         fingerprint=run.fingerprint,
         evaluations=run.evals,
         stopped_early=stopped_early,

@@ -118,10 +118,12 @@ def zero_fc_copy(export_dir: str | Path, out_dir: str | Path) -> Path:
     """A copy of an export whose `fc.weight` is all zeros (the "features zeroed" drafter)."""
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(export_dir / "config.json", out_dir / "config.json")
+    for other in export_dir.iterdir():  # config.json, and a block drafter's mask_embedding.pt
+        if other.name != "model.safetensors" and other.is_file():
+            shutil.copy(other, out_dir / other.name)
     tensors = load_file(str(export_dir / "model.safetensors"))
     if "fc.weight" not in tensors:
-        raise EvaluationError(f"{export_dir}/model.safetensors has no fc.weight to zero: not an EAGLE-3 export")
+        raise EvaluationError(f"{export_dir}/model.safetensors has no fc.weight to zero: not a drafter export")
     tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

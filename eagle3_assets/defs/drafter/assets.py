@@ -1,5 +1,7 @@
-"""`drafter` (training + export), `drafter_eval` (served in vLLM, acceptance measured) and `drafter_release`
-(the export meant to be served, replaced only by one that serves at least as well)."""
+"""Per drafter family (`settings.drafters`): its drafter (training + export: `drafter` for EAGLE-3,
+`drafter_<family>` for the others) and its eval (served in vLLM, acceptance measured: `drafter_eval`,
+`drafter_eval_<family>`); then `drafter_release`, the export meant to be served, of whichever family serves best,
+replaced only by one that serves at least as well."""
 
 import json
 
@@ -16,6 +18,7 @@ from dagster import (
     asset,
 )
 
+from eagle3_assets.artifacts import drafter_artifact, eval_artifact
 from eagle3_assets.defs.data.assets import target_model, vocab_map
 from eagle3_assets.defs.drafter.launch import train_with_torchrun
 from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
@@ -29,7 +32,15 @@ from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR, RELEASE_DIR, decide, promote, target_version
+from eagle3_assets.drafter.family import family_root
+from eagle3_assets.drafter.release import (
+    PROMOTION_LEASE_DIR,
+    RELEASE_DIR,
+    choose,
+    decide,
+    promote,
+    target_version,
+)
 from eagle3_assets.leases import Lease
 from eagle3_assets.project import Project
 from eagle3_assets.settings import TrainingSettings
@@ -40,28 +51,42 @@ DRAFTER_RELEASE = AssetKey("drafter_release")
 RELEASE_CHECK = "no_regression"
 
 
-def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
-    """The `drafter` asset. Offline it holds the `gpu` pool like every GPU step. Rolling, it trains while
-    shards are extracted, so it takes its own `trainer` pool: holding `gpu` while it waits for a shard
-    would keep that shard's extraction from ever starting."""
+def drafter_key(family: str) -> AssetKey:
+    return AssetKey(drafter_artifact(family))
+
+
+def eval_key(family: str) -> AssetKey:
+    return AssetKey(eval_artifact(family))
+
+
+DRAFTER_DOCS = {
+    "eagle3": "The EAGLE-3 draft model (one layer over three target layers, trained by TTT unrolls)",
+    "dflash": "The DFlash block draft model (drafts a whole block per forward, non-causal over mask slots)",
+}
+
+
+def drafter_asset(training: TrainingSettings, family: str = "eagle3") -> AssetsDefinition:
+    """A family's drafter asset (`drafter` for EAGLE-3, `drafter_<family>` for the others). Offline it holds the
+    `gpu` pool like every GPU step. Rolling, it trains while shards are extracted, so it takes its own `trainer`
+    pool: holding `gpu` while it waits for a shard would keep that shard's extraction from ever starting."""
 
     rolling = training.rolling
+    name = drafter_artifact(family)
 
     @asset(
-        key=DRAFTER,
+        key=drafter_key(family),
         group_name=GROUP,
         deps=[vocab_map, HIDDEN_STATES, target_model],
         pool=TRAINER_POOL if rolling else GPU_POOL,
         kinds={"pytorch"},
+        description=f"{DRAFTER_DOCS[family]}, trained on every shard (resumes from its last checkpoint), then "
+        "exported. Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint has learnt "
+        "it. Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`).",
     )
     def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-        """The EAGLE-3 draft model, trained on every shard (resumes from its last checkpoint), then exported.
-        Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint has learnt it.
-
-        Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`)."""
         store = project.store
         with failures():
-            want = Staleness(project).expected("drafter")
+            want = Staleness(project).expected(name)
         keys = registered_shard_keys(context.instance)
         if not keys:
             raise refusal("no hidden-state shards are registered: materialize `tokenized` first")
@@ -73,11 +98,13 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
             reporter.poll(force=True)
         elif bad := unusable_shards(context.instance, project, keys):
             listing = "; ".join(f"{k}: {why}" for k, why in bad.items())
-            raise refusal(f"drafter refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})")
+            raise refusal(f"{name} refuses to train: {len(bad)} of {len(keys)} shards are not usable ({listing})")
 
         with failures():
             try:
-                trained = train_with_torchrun(context, project, watch=reporter.poll if reporter else lambda: None)
+                trained = train_with_torchrun(
+                    context, project, watch=reporter.poll if reporter else lambda: None, family=family
+                )
             finally:
                 if reporter is not None:
                     reporter.poll(force=True)
@@ -87,66 +114,99 @@ def drafter_asset(training: TrainingSettings) -> AssetsDefinition:
     return drafter
 
 
-@asset(group_name=GROUP, deps=[DRAFTER], pool=GPU_POOL, kinds={"vllm"})
-def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The export served with the target in vLLM on held-out prompts: acceptance, and the features' share of it."""
-    with failures():
-        want = Staleness(project).expected("drafter_eval")
-        report = evaluate_drafter(project.store, project.target(), project.settings, log=context.log.info)
-    if not report.outputs_match:
-        raise Failure(
-            "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
-        )
-    version = materialized(project, want)
-    return MaterializeResult(
-        data_version=version["data_version"],
-        metadata=to_metadata(report.as_metadata()) | {"export": project.store.url_of(EXPORT_DIR)} | version["metadata"],
+def drafter_eval_asset(family: str = "eagle3") -> AssetsDefinition:
+    """A family's export served with the target in vLLM on held-out prompts (`drafter_eval`, `drafter_eval_<family>`)."""
+    name = eval_artifact(family)
+
+    @asset(
+        key=eval_key(family),
+        group_name=GROUP,
+        deps=[drafter_key(family)],
+        pool=GPU_POOL,
+        kinds={"vllm"},
+        description=f"The {family} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
+        "speculative tokens, and the features' share of it.",
     )
-
-
-@asset(
-    key=DRAFTER_RELEASE,
-    group_name=GROUP,
-    deps=[drafter_eval],
-    check_specs=[
-        AssetCheckSpec(
-            RELEASE_CHECK,
-            asset=DRAFTER_RELEASE,
-            blocking=True,
-            description="the new export serves at least as well as the released drafter (same prompts, k and engine), "
-            "greedy, and above evaluation.release_min_acceptance; else it is not released",
+    def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+        with failures():
+            want = Staleness(project).expected(name)
+            report = evaluate_drafter(
+                project.store, project.target(), project.settings, log=context.log.info, family=family
+            )
+        if not report.outputs_match:
+            raise Failure(
+                "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
+            )
+        version = materialized(project, want)
+        export = project.store.child(family_root(family)).url_of(EXPORT_DIR)
+        return MaterializeResult(
+            data_version=version["data_version"],
+            metadata=to_metadata(report.as_metadata()) | {"family": family, "export": export} | version["metadata"],
         )
-    ],
-)
-def drafter_release(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The drafter meant to be served (`drafter/release/`): the new export once `drafter_eval` found it at least as
-    good as the released one. When it is not, the released drafter stays and the `no_regression` check fails naming
-    both figures (`drafter/release.py`)."""
-    store = project.store
-    with failures():
-        want = Staleness(project).expected("drafter_release")
-    with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
-        report = ServedReport.read(store)
-        target = target_version(store)
-        decision = decide(store, report, target, project.settings.evaluation.release_min_acceptance)
-        if decision.promote:
-            promote(store, decision, report, target)
-    figures = {f"new_{k}": v for k, v in decision.candidate.items()} | {
-        f"released_{k}": v for k, v in (decision.released or {}).items()
-    }
-    version = materialized(project, want)
-    return MaterializeResult(
-        data_version=version["data_version"],
-        metadata=to_metadata({"promoted": decision.promote, "reason": decision.reason, **figures})
-        | {"release": store.url_of(RELEASE_DIR)}
-        | version["metadata"],
-        check_results=[
-            AssetCheckResult(
-                check_name=RELEASE_CHECK,
-                passed=decision.promote,
-                severity=AssetCheckSeverity.ERROR,
-                description=decision.reason,
-                metadata=to_metadata(figures),
+
+    return drafter_eval
+
+
+def drafter_release_asset(families: list[str]) -> AssetsDefinition:
+    """`drafter_release`, after the eval of every family the settings train."""
+
+    @asset(
+        key=DRAFTER_RELEASE,
+        group_name=GROUP,
+        deps=[eval_key(f) for f in families],
+        check_specs=[
+            AssetCheckSpec(
+                RELEASE_CHECK,
+                asset=DRAFTER_RELEASE,
+                blocking=True,
+                description="a new export serves at least as well as the released drafter (same prompts, k and "
+                "engine), greedy, and above evaluation.release_min_acceptance, and best of the families; else it is "
+                "not released",
             )
         ],
     )
+    def drafter_release(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+        """The drafter meant to be served (`drafter/release/`), of whichever family serves best: a new export once
+        its `drafter_eval` found it at least as good as the released one and better than the other families'. When
+        none is, the released drafter stays and the `no_regression` check fails naming the figures
+        (`drafter/release.py`)."""
+        store = project.store
+        with failures():
+            want = Staleness(project).expected("drafter_release")
+        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
+            target = target_version(store)
+            sources = {f: store.child(family_root(f)) for f in families}
+            reports = {f: ServedReport.read(out) for f, out in sources.items()}
+            minimum = project.settings.evaluation.release_min_acceptance
+            decisions = {f: decide(store, reports[f], target, minimum, sources[f]) for f in families}
+            chosen, reasons = choose(decisions)
+            if chosen is not None:
+                promote(store, decisions[chosen], reports[chosen], target, sources[chosen], chosen)
+        shown = decisions[chosen] if chosen is not None else decisions[families[0]]
+        figures = {f"new_{k}": v for k, v in shown.candidate.items()} | {
+            f"released_{k}": v for k, v in (shown.released or {}).items()
+        }
+        for f in families:  # each family's served figures, beside the released one's
+            figures |= {f"{f}_{k}": v for k, v in decisions[f].candidate.items()}
+        reason = (decisions[chosen].reason if chosen is not None else "") + "".join(
+            f"; {why}" for why in reasons.values()
+        )
+        reason = reason.removeprefix("; ")
+        version = materialized(project, want)
+        return MaterializeResult(
+            data_version=version["data_version"],
+            metadata=to_metadata({"promoted": chosen is not None, "family": chosen or "", "reason": reason, **figures})
+            | {"release": store.url_of(RELEASE_DIR)}
+            | version["metadata"],
+            check_results=[
+                AssetCheckResult(
+                    check_name=RELEASE_CHECK,
+                    passed=chosen is not None,
+                    severity=AssetCheckSeverity.ERROR,
+                    description=reason,
+                    metadata=to_metadata(figures),
+                )
+            ],
+        )
+
+    return drafter_release

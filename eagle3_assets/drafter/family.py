@@ -1,0 +1,210 @@
+"""Drafter families: what differs between EAGLE-3 and DFlash, over the one training loop, data path and checkpoints.
+
+A family contributes its model, its objective and its export; everything else (the shards and their loader, the
+target's head, checkpoints and resume, held-out evaluation, best-checkpoint selection, torchrun) is `train.py`'s and
+shared. Both objectives return a `TTTOutput` with one entry per drafted position (EAGLE-3's TTT steps, DFlash's mask
+slots), scored by the same code, so their loss, acc_k and acceptance estimates mean the same thing.
+
+Each family keeps its outputs (checkpoints, best weights, TensorBoard, export, metrics) in a store directory of its
+own, `root`: EAGLE-3 at the store's top, where drafters were written before there were families (its layout and
+history stay), DFlash under `families/dflash/`, with the same layout inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from eagle3_assets.drafter.data import Batch
+from eagle3_assets.drafter.dflash_export import export_dflash
+from eagle3_assets.drafter.dflash_loss import decay_weight, dflash_forward
+from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
+from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.target_head import Targets, TargetWeights
+from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
+from eagle3_assets.settings import DRAFTER_FAMILIES, DFlashSettings, Settings, TrainingSettings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel, load_tokenizer
+from eagle3_assets.vocab_map import VocabMap
+
+
+def family_root(name: str) -> str:
+    """The store directory of a family's outputs (module docstring)."""
+    return "" if name == "eagle3" else f"families/{name}"
+
+
+class Family(Protocol):
+    name: str
+    root: str  # the store directory of its outputs ("" = the store's top)
+    steps: int  # drafted positions scored per prediction point: acc_0 .. acc_{steps-1}
+    step_weight: float  # the loss weight of position k is step_weight**k
+
+    def build(self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int],
+              seed: int, intermediate_size: int | None) -> nn.Module: ...  # fmt: skip
+
+    def objective(self, model: nn.Module, batch: Batch, targets: Targets, step: int | None) -> TTTOutput:
+        """The loss and counts of `batch`; `step` (the optimizer step, None when evaluating) seeds any sampling."""
+        ...
+
+    def aux_layer_ids(self, stored: Sequence[int]) -> list[int]:
+        """The aux layers the drafter reads, of those the shards hold."""
+        ...
+
+    def export(self, store: ArtifactStore, tensors: dict[str, torch.Tensor], cfg: Any, aux_layer_ids: list[int],
+               rel: str) -> str: ...  # fmt: skip
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The family's own settings, part of what a checkpoint must agree on to be resumed."""
+        ...
+
+
+def _start_lm_head(model: Eagle3Drafter | DFlashDrafter, weights: TargetWeights, train: bool) -> None:
+    """lm_head from the target's rows of the draft vocab, the layer the drafter's output feeds at serving time, so
+    early steps already rank tokens sensibly (and stay there when it is frozen)."""
+    cfg = model.config
+    with torch.no_grad():
+        model.lm_head.weight.copy_(weights.lm_head[model.d2t + torch.arange(cfg.draft_vocab_size)].float())
+    model.lm_head.weight.requires_grad_(train)
+
+
+def build_drafter(
+    cfg: DrafterConfig, target: TargetWeights, vmap: VocabMap, seed: int, *, train_lm_head: bool = True
+) -> Eagle3Drafter:
+    """A fresh EAGLE-3 drafter: seeded init, the target's embedding copied in (frozen), lm_head from the target's."""
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=target.embed_tokens.clone())
+    _start_lm_head(model, target, train_lm_head)
+    return model
+
+
+@dataclass(frozen=True)
+class Eagle3:
+    settings: TrainingSettings
+    name: str = "eagle3"
+    root: str = ""
+
+    @property
+    def steps(self) -> int:
+        return self.settings.ttt_steps
+
+    @property
+    def step_weight(self) -> float:
+        return self.settings.step_weight
+
+    def build(self, target, weights, vmap, aux_layer_ids, seed, intermediate_size) -> Eagle3Drafter:
+        s = self.settings
+        cfg = DrafterConfig.from_target(
+            target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size,
+            norm_before_fc=s.norm_before_fc, norm_before_residual=s.norm_before_residual, norm_output=s.norm_output,
+        )  # fmt: skip
+        return build_drafter(cfg, weights, vmap, seed, train_lm_head=s.train_lm_head)
+
+    def objective(self, model, batch, targets, step) -> TTTOutput:
+        s = self.settings
+        return ttt_forward(
+            model, batch.input_ids, batch.aux, batch.loss_mask, batch.lengths, targets, num_steps=s.ttt_steps,
+            step_weight=s.step_weight, loss=s.loss, loss_positions=s.loss_positions, positions=batch.positions,
+            segments=batch.segments,
+        )  # fmt: skip
+
+    def aux_layer_ids(self, stored: Sequence[int]) -> list[int]:
+        return list(stored)
+
+    def export(self, store, tensors, cfg, aux_layer_ids, rel) -> str:
+        return export_drafter(store, tensors, cfg, aux_layer_ids=aux_layer_ids, rel=rel)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {}  # its settings are the training settings themselves (`fingerprint.run_fingerprint`)
+
+
+@dataclass
+class DFlash:
+    training: TrainingSettings
+    dflash: DFlashSettings
+    mask_token_id: int
+    name: str = "dflash"
+    root: str = family_root("dflash")
+    # Which stored aux columns the context reads: set by `build`, once the shards' layers are known.
+    _columns: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long), repr=False)
+
+    @property
+    def steps(self) -> int:
+        return self.dflash.block_size
+
+    @property
+    def step_weight(self) -> float:
+        return decay_weight(self.dflash.loss_decay)
+
+    def build(self, target, weights, vmap, aux_layer_ids, seed, intermediate_size) -> DFlashDrafter:
+        d = self.dflash
+        cfg = DFlashConfig.from_target(
+            target, draft_vocab_size=len(vmap.d2t), num_aux_layers=len(self.aux_layer_ids(aux_layer_ids)),
+            intermediate_size=intermediate_size, num_layers=d.num_layers, block_size=d.block_size,
+            mask_token_id=self.mask_token_id,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        model = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=weights.embed_tokens.clone())
+        _start_lm_head(model, weights, self.training.train_lm_head)
+        self._columns = _aux_columns(aux_layer_ids, self.aux_layer_ids(aux_layer_ids), target.hidden_size)
+        return model
+
+    def objective(self, model, batch, targets, step) -> TTTOutput:
+        s, d = self.training, self.dflash
+        # A fresh draw per optimizer step, fixed by (seed, step): a resumed run draws the anchors it would have.
+        gen = None if step is None else torch.Generator().manual_seed(s.seed * 1_000_003 + step)
+        return dflash_forward(
+            model, batch.input_ids, batch.aux.index_select(-1, self._columns.to(batch.aux.device)), batch.loss_mask,
+            batch.lengths, targets, loss_decay=d.loss_decay, anchors_per_row=None if step is None else d.anchors_per_row,
+            generator=gen, loss=s.loss, loss_positions=s.loss_positions, positions=batch.positions,
+            segments=batch.segments,
+        )  # fmt: skip
+
+    def aux_layer_ids(self, stored: Sequence[int]) -> list[int]:
+        wanted = list(self.dflash.aux_layer_ids or stored)
+        if missing := [i for i in wanted if i not in stored]:
+            raise TrainingError(
+                f"dflash.aux_layer_ids: layers {missing} are not in the stored hidden states (aux_layer_ids "
+                f"{list(stored)}); store them (aux_layer_ids holds every layer any family reads) or read a subset"
+            )
+        return wanted
+
+    def export(self, store, tensors, cfg, aux_layer_ids, rel) -> str:
+        return export_dflash(store, tensors, cfg, aux_layer_ids=self.aux_layer_ids(aux_layer_ids), rel=rel)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"dflash": self.dflash.model_dump(), "mask_token_id": self.mask_token_id}
+
+
+def _aux_columns(stored: Sequence[int], wanted: Sequence[int], hidden: int) -> torch.Tensor:
+    """Column indices of the `wanted` layers' features in the stored [.., len(stored) x H] aux, in `wanted` order."""
+    return torch.cat([torch.arange(hidden) + stored.index(i) * hidden for i in wanted])
+
+
+def mask_token_id(settings: DFlashSettings, target: TargetModel) -> int:
+    """`dflash.mask_token_id`, or the target tokenizer's pad token (a token the text never holds): the mask slots'
+    id, whose embedding the drafter trains and ships (`mask_embedding.pt`)."""
+    if settings.mask_token_id is not None:
+        return settings.mask_token_id
+    tokenizer = load_tokenizer(target)
+    for name in ("pad_token_id", "unk_token_id"):
+        if (token := getattr(tokenizer, name, None)) is not None:
+            return int(token)
+    raise TrainingError(
+        f"dflash.mask_token_id: the tokenizer of {target.path} has no pad or unk token to stand for the mask slots; "
+        "set it to the id of a token the text never holds"
+    )
+
+
+def family_of(name: str, settings: Settings, target: TargetModel) -> Family:
+    """The family `name` trains under these settings."""
+    if name == "eagle3":
+        return Eagle3(settings.training)
+    if name == "dflash":
+        return DFlash(settings.training, settings.dflash, mask_token_id(settings.dflash, target))
+    raise TrainingError(f"drafter family {name!r} does not exist; the families are {', '.join(DRAFTER_FAMILIES)}")
