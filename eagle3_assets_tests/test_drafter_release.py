@@ -235,3 +235,39 @@ def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_
     assert beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path) == {
         RELEASED: tmp_path / "store" / RELEASE_DIR, "reference": reference
     }
+
+
+def test_a_target_moved_or_linked_with_the_same_bytes_keeps_its_release_as_the_baseline(tmp_path):
+    """Issue 44: the release recorded a digest of the target's settings, path included, so a model moved, linked or
+    named as `file://` was "another target": its release was dropped and a worse export replaced it."""
+    from eagle3_assets.defs.provenance import Staleness, materialized
+
+    from .test_target_identity import make_model
+
+    store = ArtifactStore(tmp_path / "store")
+    model = make_model(tmp_path / "models" / "a")
+    link = tmp_path / "link"
+    link.symlink_to(model, target_is_directory=True)
+
+    def project_for(target: str, trust_remote_code: bool = False) -> Project:
+        """The project once `target_model` was made for a target named so (its record, as the asset writes it)."""
+        project = Project(tiny_settings(target_model=target, trust_remote_code=trust_remote_code), store)
+        materialized(project, Staleness(project).expected("target_model"))
+        return project
+
+    with DagsterInstance.ephemeral() as instance:
+        first = write_export(store, 1.0)
+        result, _, _ = release(project_for(str(model)), instance, report_json(2.9, 3.4, export_sha256=first))
+        assert result.success
+        # Linked; named as `file://` with `trust_remote_code` flipped (it has no code of its own: the flag runs nothing).
+        for name, trust in ((str(link), False), (f"file://{model}", True)):
+            project = project_for(name, trust)
+            assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
+            worse = write_export(store, 2.0)
+            beside = {RELEASED: report_json(2.9, 3.4, dir="release")}
+            result, _, check = release(project, instance, report_json(1.3, 1.5, export_sha256=worse, beside=beside))
+            assert not result.success and check.description == (
+                "the new export serves at mean acceptance length 1.300 at k=3, the released drafter at 2.900 (same "
+                "prompts, k and engine): not promoted, the released drafter stays"
+            )
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["acceptance"] == {"k3": 2.9, "k7": 3.4}
