@@ -227,6 +227,43 @@ def target_identity(url: str, trust_remote_code: bool = False, *, digests: FileD
     return IDENTITY_PREFIX + digest(parts)
 
 
+# --- before targets were known by their bytes (issue 44) -----------------------------------------------------------
+
+
+def sampled_version(want: Provenance, url: str) -> str:
+    """The version a `target_model` record made under `want` held before issue 44: `made_from` of its provenance with
+    the sampled identity of the files at `url` (config, generation config and tokenizer files whole; each
+    `*.safetensors` file's size, header and three 64 KiB blocks; `.bin`/`.pt`/`.gguf` by size). A release made then
+    names its target so; the asset keeps this beside the content identity (its record's `extra`) so that release is
+    still recognised as this target's (`drafter/release.py: other_target`), never dropped by the upgrade."""
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    texts = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
+             "tiktoken.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
+    parts: dict[str, str] = {}
+    try:
+        for name in sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)):
+            path = f"{root}/{name}"
+            if name in texts:
+                parts[name] = bytes_digest(fs.cat_file(path))
+            elif name.endswith(".safetensors"):
+                size = fs.size(path)
+                head = fs.cat_file(path, 0, min(size, 8))
+                start = min(size, 8 + (int.from_bytes(head, "little") if len(head) == 8 else 0))
+                span = size - start
+                blocks = [
+                    fs.cat_file(path, at, min(size, at + (64 << 10)))
+                    for at in (start + (span - (64 << 10)) * i // 2 if span > 64 << 10 else start for i in range(3))
+                ]
+                parts[name] = bytes_digest(str(size).encode(), fs.cat_file(path, 0, start), *blocks)
+            elif name.endswith((".bin", ".pt", ".gguf")):
+                parts[name] = f"size {fs.size(path)}"
+    except OSError as e:
+        raise ProvenanceError(f"target model {url}: cannot be read: {e}") from None
+    return Provenance(want.asset, want.settings, {**want.inputs, "target files": digest(parts)}, want.code).made_from
+
+
 # Digests of outside files by what their store says of them (size, mtime or ETag): the daemon looks every tick,
 # and a prompt file of gigabytes is read again only when it changed.
 _DIGESTS: dict[tuple[str, str], str] = {}

@@ -271,3 +271,30 @@ def test_a_target_moved_or_linked_with_the_same_bytes_keeps_its_release_as_the_b
                 "prompts, k and engine): not promoted, the released drafter stays"
             )
         assert store.read_json(f"{RELEASE_DIR}/release.json")["acceptance"] == {"k3": 2.9, "k7": 3.4}
+
+
+def test_a_release_made_before_targets_were_known_by_their_bytes_stays_the_baseline_of_the_same_target(
+    tmp_path, tiny_target_dir
+):
+    """The upgrade to content identities changes the target's version; a release made before names the version the
+    target's record had then (`sampled_version`, checked equal to the old code's on this target): the `target_model`
+    asset keeps that beside the new one, so the upgrade never drops the release as another target's."""
+    from eagle3_assets.defs.data.assets import target_model
+    from eagle3_assets.defs.provenance import Staleness
+    from eagle3_assets.drafter.release import other_target, target_version
+    from eagle3_assets.provenance import sampled_version, target_identity
+
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(target_model=str(tiny_target_dir)), store)
+    then = sampled_version(Staleness(project).expected("target_model"), str(tiny_target_dir))
+    store.write_json(f"{RELEASE_DIR}/release.json", {"target": then, "acceptance": {"k3": 2.9, "k7": 3.4}})
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([target_model], resources={"project": project}, instance=instance).success
+    assert target_version(store) == target_identity(str(tiny_target_dir)) != then
+    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {RELEASED: tmp_path / "store" / RELEASE_DIR}
+    # A release made then for another target is still another target's.
+    store.write_json(f"{RELEASE_DIR}/release.json", {"target": "0123456789abcdef", "acceptance": {"k3": 2.9}})
+    assert other_target(store, target_version(store)) == (
+        f"the drafter released at {store.url_of(RELEASE_DIR)} was released for another target (target_model version "
+        f"0123456789abcdef, now {target_identity(str(tiny_target_dir))})"
+    )
