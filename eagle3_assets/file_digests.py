@@ -34,7 +34,18 @@ from fsspec.implementations.local import LocalFileSystem
 CACHE_ENV = "EAGLE3_DIGEST_CACHE"
 CHUNK = 8 << 20
 # What a store's file info may say that changes whenever the file's content does (S3, GCS, Azure, memory, HTTP).
-CHANGE_FIELDS = ("ETag", "etag", "LastModified", "last_modified", "mtime", "created", "md5Hash", "crc32c", "ChecksumSHA256", "version_id")
+CHANGE_FIELDS = (
+    "ETag",
+    "etag",
+    "LastModified",
+    "last_modified",
+    "mtime",
+    "created",
+    "md5Hash",
+    "crc32c",
+    "ChecksumSHA256",
+    "version_id",
+)
 
 
 def cache_dir() -> Path:
@@ -79,8 +90,7 @@ class FileDigests:
                 self._memo[name] = found
                 return found
         h = hashlib.sha256()
-        opener = open(path, "rb") if isinstance(fs, LocalFileSystem) else fs.open(path, "rb")
-        with opener as f:
+        with open(path, "rb") if isinstance(fs, LocalFileSystem) else fs.open(path, "rb") as f:
             while chunk := f.read(CHUNK):
                 h.update(chunk)
         self.hashed += 1

@@ -181,7 +181,8 @@ def target_files(url: str, digests: FileDigests | None = None) -> dict[str, str]
                 for name in filenames:
                     found[os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")] = None
         else:
-            found = {p[len(root) + 1 :]: info for p, info in fs.find(root, detail=True).items() if p.startswith(root + "/")}
+            listed = fs.find(root, detail=True)
+            found = {p[len(root) + 1 :]: info for p, info in listed.items() if p.startswith(root + "/")}
         rels = sorted(r for r in found if _is_content(r))
         if not rels:
             raise ProvenanceError(f"target model {url}: no model files there")

@@ -66,7 +66,9 @@ def test_the_same_bytes_moved_copied_linked_or_named_as_file_url_keep_the_identi
         (snapshot / f.name).symlink_to(os.path.relpath(blobs / f.name, snapshot))
     remote = f"memory://identity-{uuid.uuid4().hex[:8]}/model"
     fsspec.filesystem("memory").put(str(model), remote.removeprefix("memory://"), recursive=True)
-    assert [target_identity(u) for u in (str(copy), str(link), f"file://{model}", str(snapshot), remote)] == [identity] * 5
+    assert [target_identity(u) for u in (str(copy), str(link), f"file://{model}", str(snapshot), remote)] == [
+        identity
+    ] * 5
     # What determines nothing the target computes is not its content: docs, git metadata, Meta's `original/` copies.
     for rel in ("README.md", ".gitattributes", "original/consolidated.00.pth", "LICENSE", ".cache/huggingface/x"):
         (copy / rel).parent.mkdir(parents=True, exist_ok=True)
