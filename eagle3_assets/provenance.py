@@ -3,8 +3,8 @@
 Every asset's artifact is tied to exactly what determines its content (docs/DESIGN.md §9):
 - the settings fields that determine its content (`artifacts.py`, each asset's `reads`), and nothing else;
 - its inputs' versions: each parent's recorded data version, and for the roots the content of
-  what they read from outside (the prompt files; the target's config, tokenizer, chat template
-  and a sampled digest of its weights, `target_identity`);
+  what they read from outside (the prompt files; the target's content identity, `target_identity`: the
+  sha256 of every file that determines what it computes and how it tokenizes);
 - a code revision (its `code` there), raised when a change of code changes what the asset makes.
 
 `Provenance.made_from` hashes those; the record beside the artifact (`_PROVENANCE.json`) keeps the
@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.artifacts import ARTIFACTS
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.file_digests import DIGESTS, FileDigests
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -143,67 +146,123 @@ def write_record(store: ArtifactStore, record: Record, partition: str | None = N
 
 # --- the outside inputs -------------------------------------------------------------------------
 
-TARGET_TEXT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "tiktoken.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
-WEIGHT_SAMPLES = 3  # blocks read from each weight file: after its header, in the middle, at the end
-WEIGHT_SAMPLE_BYTES = 64 << 10
+# Files of a model directory that determine nothing the target computes or how it tokenizes; every other file is
+# its content. Listing what is left out (not what is kept) makes a file of a new kind count by default: a new
+# tokenizer format (`tekken.json`, `*.tiktoken`), remote code, `additional_chat_templates/` were missed by a list
+# of what to keep (issue 44). A change to a file of unknown role costs a redo; a change missed costs a wrong release.
+NOT_CONTENT_DIRS = ("original", "__pycache__")  # `original/`: Meta's consolidated copies, loaded by neither engine
+NOT_CONTENT_SUFFIXES = (".md", ".pyc", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf")
+NOT_CONTENT_PREFIXES = ("LICENSE", "NOTICE", "USE_POLICY")
+IDENTITY_PREFIX = "content-"  # a target's version: its content identity, never a digest of where it lies
 
 
-def target_identity(url: str) -> str:
-    """A digest of the target model at `url` (local path or fsspec URL), cheap on a 1 TB checkpoint.
+def _is_content(rel: str) -> bool:
+    parts = rel.split("/")
+    name = parts[-1]
+    if any(p.startswith(".") for p in parts):  # .git/, .cache/ (huggingface_hub's local-dir metadata), .gitattributes
+        return False
+    if parts[0] in NOT_CONTENT_DIRS or "__pycache__" in parts:
+        return False
+    return not (name.lower().endswith(NOT_CONTENT_SUFFIXES) or name.upper().startswith(NOT_CONTENT_PREFIXES))
 
-    Hashed whole: the config, generation config, tokenizer files and chat template. Each
-    `*.safetensors` weight file: its size, its header (every tensor's name, dtype, shape and offsets)
-    and three 64 KiB blocks of its data (start, middle, end). A 1 TB checkpoint in 64 files costs about
-    64 x (header + 192 KiB) read, well under a second on local disk. `*.bin`/`*.pt` files: size only."""
+
+def target_files(url: str, digests: FileDigests | None = None) -> dict[str, str]:
+    """Each content file of the target model at `url` (local path or fsspec URL), by its path inside the model
+    directory, with the sha256 of its whole bytes (`file_digests.py`: read once, then cached)."""
+    digests = digests if digests is not None else DIGESTS
     fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
     try:
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
-        key = (url, json.dumps([_stat(fs, f"{root.rstrip('/')}/{n}") for n in names]))
+        if isinstance(fs, LocalFileSystem):
+            # Walked by hand to follow symlinks: a Hugging Face snapshot is a directory of links into `blobs/`.
+            found: dict[str, dict[str, Any] | None] = {}
+            for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+                dirnames.sort()
+                for name in filenames:
+                    found[os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")] = None
+        else:
+            listed = fs.find(root, detail=True)
+            found = {p[len(root) + 1 :]: info for p, info in listed.items() if p.startswith(root + "/")}
+        rels = sorted(r for r in found if _is_content(r))
+        if not rels:
+            raise ProvenanceError(f"target model {url}: no model files there")
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # hashlib reads without the GIL
+            shas = list(pool.map(lambda r: digests.sha256(fs, f"{root}/{r}", found[r]), rels))
     except OSError as e:
-        raise ProvenanceError(f"target model {url}: cannot be listed: {e}") from None
-    if key not in _DIGESTS:
-        _DIGESTS[key] = _target_digest(fs, root, names)
-    return _DIGESTS[key]
+        raise ProvenanceError(f"target model {url}: cannot be read: {e}") from None
+    return dict(zip(rels, shas, strict=True))
 
 
-def _target_digest(fs: fsspec.AbstractFileSystem, root: str, names: list[str]) -> str:
+def has_remote_code(url: str, files: Mapping[str, str]) -> bool:
+    """Whether the target brings code of its own for transformers to run under `trust_remote_code`: a `*.py` in its
+    directory, or an `auto_map` in its config or tokenizer config (code named in another repository)."""
+    if any(rel.endswith(".py") for rel in files):
+        return True
+    fs, root = fsspec.core.url_to_fs(url)
+    for name in ("config.json", "tokenizer_config.json"):
+        if name in files:
+            try:
+                body = json.loads(fs.cat_file(f"{root.rstrip('/')}/{name}"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(body, dict) and body.get("auto_map"):
+                return True
+    return False
+
+
+def target_identity(url: str, trust_remote_code: bool = False, *, digests: FileDigests | None = None) -> str:
+    """The target model's content identity: a digest of the sha256 of each of its content files (`_is_content`:
+    weights of any format, config, generation config, tokenizer files, chat templates, remote code), by their paths
+    inside the model directory, never the directory's own path. The same bytes moved, linked, copied or named as
+    `file://` keep it; any changed byte changes it. A 1 TB checkpoint is read whole once (`file_digests.py`; the
+    cost per TB in BENCHMARKS.md, `digest`); after that a look stats each file.
+
+    `trust_remote_code` is part of it only when the target has code of its own (`has_remote_code`): then the flag
+    decides which code runs (the target's modeling and tokenizer, or transformers' and vLLM's own classes), so its
+    outputs and tokens may differ. Without such code the flag changes nothing the target computes: a flip is the
+    same target."""
+    files = target_files(url, digests)
+    parts: dict[str, Any] = {"files": files}
+    if has_remote_code(url, files):
+        parts["trust_remote_code"] = trust_remote_code
+    return IDENTITY_PREFIX + digest(parts)
+
+
+# --- before targets were known by their bytes (issue 44) -----------------------------------------------------------
+
+
+def sampled_version(want: Provenance, url: str) -> str:
+    """The version a `target_model` record made under `want` held before issue 44: `made_from` of its provenance with
+    the sampled identity of the files at `url` (config, generation config and tokenizer files whole; each
+    `*.safetensors` file's size, header and three 64 KiB blocks; `.bin`/`.pt`/`.gguf` by size). A release made then
+    names its target so; the asset keeps this beside the content identity (its record's `extra`) so that release is
+    still recognised as this target's (`drafter/release.py: other_target`), never dropped by the upgrade."""
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    texts = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
+             "tiktoken.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
     parts: dict[str, str] = {}
-    for name in names:
-        path = f"{root.rstrip('/')}/{name}"
-        if name in TARGET_TEXT_FILES:
-            parts[name] = bytes_digest(fs.cat_file(path))
-        elif name.endswith(".safetensors"):
-            parts[name] = _weights_digest(fs, path)
-        elif name.endswith((".bin", ".pt", ".gguf")):
-            parts[name] = f"size {fs.size(path)}"
-    return digest(parts)
-
-
-def _weights_digest(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    size = fs.size(path)
-    head = fs.cat_file(path, 0, min(size, 8))
-    header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-    data_start = min(size, 8 + header_len)
-    header = fs.cat_file(path, 0, data_start)
-    span = size - data_start
-    blocks = []
-    for i in range(WEIGHT_SAMPLES):
-        start = data_start + (span - WEIGHT_SAMPLE_BYTES) * i // max(1, WEIGHT_SAMPLES - 1) if span > WEIGHT_SAMPLE_BYTES else data_start
-        blocks.append(fs.cat_file(path, start, min(size, start + WEIGHT_SAMPLE_BYTES)))
-    return bytes_digest(str(size).encode(), header, *blocks)
+    try:
+        for name in sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)):
+            path = f"{root}/{name}"
+            if name in texts:
+                parts[name] = bytes_digest(fs.cat_file(path))
+            elif name.endswith(".safetensors"):
+                size = fs.size(path)
+                head = fs.cat_file(path, 0, min(size, 8))
+                start = min(size, 8 + (int.from_bytes(head, "little") if len(head) == 8 else 0))
+                span = size - start
+                blocks = [
+                    fs.cat_file(path, at, min(size, at + (64 << 10)))
+                    for at in (start + (span - (64 << 10)) * i // 2 if span > 64 << 10 else start for i in range(3))
+                ]
+                parts[name] = bytes_digest(str(size).encode(), fs.cat_file(path, 0, start), *blocks)
+            elif name.endswith((".bin", ".pt", ".gguf")):
+                parts[name] = f"size {fs.size(path)}"
+    except OSError as e:
+        raise ProvenanceError(f"target model {url}: cannot be read: {e}") from None
+    return Provenance(want.asset, want.settings, {**want.inputs, "target files": digest(parts)}, want.code).made_from
 
 
 # Digests of outside files by what their store says of them (size, mtime or ETag): the daemon looks every tick,
@@ -250,7 +309,7 @@ class Inputs:
                 self._outside[name] = source_digest(s.eval_prompts)
             elif name == "target files":
                 # The demo target is made from its settings alone (`settings_read`).
-                self._outside[name] = target_identity(s.target_model) if s.target_model else "demo"
+                self._outside[name] = target_identity(s.target_model, s.trust_remote_code) if s.target_model else "demo"
             else:
                 raise KeyError(name)
         return self._outside[name]
@@ -270,6 +329,14 @@ class Inputs:
     def shard_rows(self, partition: str) -> str:
         record = self._record("tokenized")
         return str(record.extra.get("shard_rows", {}).get(partition, "none")) if record is not None else "none"
+
+
+def data_version(want: Provenance) -> str | None:
+    """The data version an artifact made under `want` gets when it is not a digest of its own content: for a
+    configured target, its content identity. Its record keeps where it was found (`target_model`, a setting), so a
+    move re-validates it, but its version, the one every child and the release record, is the bytes alone: a
+    target moved, linked or named as `file://` is the same target (issue 44). None: `made_from` stands for it."""
+    return want.inputs.get("target files") if want.asset == "target_model" else None
 
 
 def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Provenance:

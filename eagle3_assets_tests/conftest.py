@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+# The target's file digests (`file_digests.py`) are cached in a directory of the test session, never the user's.
+os.environ.setdefault("EAGLE3_DIGEST_CACHE", tempfile.mkdtemp(prefix="eagle3-digests-"))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `pytest -n 2` each worker owns one core's worth of compute: its torch, and every
     # process it starts (torchrun ranks, the start command), runs one thread, so two workers

@@ -284,3 +284,70 @@ def test_the_release_takes_the_better_family_and_the_other_stays_unreleased_nami
         assert (meta["eagle3_k7"].value, meta["dflash_k7"].value, meta["released_k7"].value) == (3.9, 3.95, 4.0)
         assert "3.950 at k=7, the released drafter at 4.000" in check.description
         assert store.read_json(f"{RELEASE_DIR}/release.json")["family"] == "eagle3"  # it stayed
+
+
+def test_a_target_moved_or_linked_with_the_same_bytes_keeps_its_release_as_the_baseline(tmp_path):
+    """Issue 44: the release recorded a digest of the target's settings, path included, so a model moved, linked or
+    named as `file://` was "another target": its release was dropped and a worse export replaced it."""
+    from eagle3_assets.defs.provenance import Staleness, materialized
+
+    from .test_target_identity import make_model
+
+    store = ArtifactStore(tmp_path / "store")
+    model = make_model(tmp_path / "models" / "a")
+    link = tmp_path / "link"
+    link.symlink_to(model, target_is_directory=True)
+
+    def project_for(target: str, trust_remote_code: bool = False) -> Project:
+        """The project once `target_model` was made for a target named so (its record, as the asset writes it)."""
+        project = Project(tiny_settings(target_model=target, trust_remote_code=trust_remote_code), store)
+        materialized(project, Staleness(project).expected("target_model"))
+        return project
+
+    with DagsterInstance.ephemeral() as instance:
+        first = write_export(store, 1.0)
+        result, _, _ = release(project_for(str(model)), instance, report_json(2.9, 3.4, export_sha256=first))
+        assert result.success
+        # Linked; named as `file://` with `trust_remote_code` flipped (it has no code of its own: the flag runs nothing).
+        for name, trust in ((str(link), False), (f"file://{model}", True)):
+            project = project_for(name, trust)
+            assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
+                RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+            }
+            worse = write_export(store, 2.0)
+            beside = {RELEASED: report_json(2.9, 3.4, dir="release")}
+            result, _, check = release(project, instance, report_json(1.3, 1.5, export_sha256=worse, beside=beside))
+            assert not result.success and check.description == (
+                "the new export serves at mean acceptance length 1.300 at k=3, the released drafter at 2.900 (same "
+                "prompts, k and engine): not promoted, the released drafter stays"
+            )
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["acceptance"] == {"k3": 2.9, "k7": 3.4}
+
+
+def test_a_release_made_before_targets_were_known_by_their_bytes_stays_the_baseline_of_the_same_target(
+    tmp_path, tiny_target_dir
+):
+    """The upgrade to content identities changes the target's version; a release made before names the version the
+    target's record had then (`sampled_version`, checked equal to the old code's on this target): the `target_model`
+    asset keeps that beside the new one, so the upgrade never drops the release as another target's."""
+    from eagle3_assets.defs.data.assets import target_model
+    from eagle3_assets.defs.provenance import Staleness
+    from eagle3_assets.drafter.release import other_target, target_version
+    from eagle3_assets.provenance import sampled_version, target_identity
+
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(target_model=str(tiny_target_dir)), store)
+    then = sampled_version(Staleness(project).expected("target_model"), str(tiny_target_dir))
+    store.write_json(f"{RELEASE_DIR}/release.json", {"target": then, "acceptance": {"k3": 2.9, "k7": 3.4}})
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([target_model], resources={"project": project}, instance=instance).success
+    assert target_version(store) == target_identity(str(tiny_target_dir)) != then
+    assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
+        RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+    }
+    # A release made then for another target is still another target's.
+    store.write_json(f"{RELEASE_DIR}/release.json", {"target": "0123456789abcdef", "acceptance": {"k3": 2.9}})
+    assert other_target(store, target_version(store)) == (
+        f"the drafter released at {store.url_of(RELEASE_DIR)} was released for another target (target_model version "
+        f"0123456789abcdef, now {target_identity(str(tiny_target_dir))})"
+    )

@@ -39,6 +39,7 @@ from eagle3_assets.provenance import (
     ProvenanceError,
     Record,
     current_problem,
+    data_version,
     digest,
     expected,
     read_record,
@@ -60,8 +61,9 @@ def materialized(
 ) -> dict[str, Any]:
     """Write the artifact's record (after the artifact itself is complete) and return the `MaterializeResult`
     fields that carry it: `data_version` and the provenance in the metadata. `version` is a digest of the
-    artifact's content where that is cheap; else the provenance stands for it."""
-    record = Record(want, version or want.made_from, extra or {})
+    artifact's content where that is cheap; else its content identity where it has one (the target's,
+    `provenance.data_version`), else the provenance stands for it."""
+    record = Record(want, version or data_version(want) or want.made_from, extra or {})
     write_record(project.store, record, partition)
     return {
         "data_version": DataVersion(record.version),

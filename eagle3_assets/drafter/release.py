@@ -61,7 +61,10 @@ def other_target(store: ArtifactStore, target: str) -> str | None:
     # A release from before releases named their target stays the baseline, as it was: replacing a release is
     # irreversible, a refused export is not (remove `drafter/release/` to release it).
     released_for = store.read_json(RELEASE_RECORD).get("target", target)
-    if released_for == target:
+    # A release made before targets were known by their bytes names the version the target's record had then; the
+    # record keeps it (`provenance.sampled_version`), so the upgrade itself never drops a release.
+    record = read_record(store, "target_model")
+    if released_for in (target, record.extra.get("sampled_version") if record is not None else None):
         return None
     return (
         f"the drafter released at {store.url_of(RELEASE_DIR)} was released for another target (target_model "

@@ -35,7 +35,7 @@ from eagle3_assets.prompts import (
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.provenance import bytes_digest, digest
+from eagle3_assets.provenance import bytes_digest, digest, sampled_version
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
@@ -153,7 +153,10 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
         reasoning = detect_format(tokenizer, project.settings.generation.reasoning)
         want = Staleness(project).expected("target_model")  # the files just validated
     spec = SampleSpec(target.hidden_size, target.aux_layer_ids, project.settings.extraction.storage_dtype)
-    version = materialized(project, want)
+    # Its version is its content identity; the version a record made before that had is kept beside it, so a release
+    # made then is still this target's (`provenance.sampled_version`).
+    earlier = {} if project.settings.is_demo else {"sampled_version": sampled_version(want, project.settings.target_model)}
+    version = materialized(project, want, extra=earlier)
     return MaterializeResult(
         data_version=version["data_version"],
         metadata={
