@@ -30,7 +30,7 @@ from typing import Any
 import fsspec
 
 from eagle3_assets.errors import Eagle3Error
-from eagle3_assets.artifacts import ARTIFACTS
+from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -62,8 +62,11 @@ def _field(settings: Settings, path: str) -> Any:
 
 
 def settings_read(asset: str, settings: Settings) -> dict[str, Any]:
-    """The settings fields that determine `asset`'s content (`artifacts.py`), by dotted name, with their values."""
-    return {f: _field(settings, f) for f in ARTIFACTS[asset].reads(settings)}
+    """The settings fields that determine `asset`'s content (`artifacts.py`), by dotted name, with their values; a
+    field recorded only since a later version is left out at the value artifacts made before it had (`RECORDED_SINCE`),
+    so their records stay current."""
+    values = {f: _field(settings, f) for f in ARTIFACTS[asset].reads(settings)}
+    return {f: v for f, v in values.items() if f not in RECORDED_SINCE or v != RECORDED_SINCE[f]}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class Provenance:
         """What differs between this (recorded) provenance and `now`, one phrase each, settings first."""
         out = []
         for name in sorted(set(self.settings) | set(now.settings)):
-            a, b = self.settings.get(name, "(unset)"), now.settings.get(name, "(unset)")
+            a, b = self.settings.get(name, _UNSET), now.settings.get(name, _UNSET)
             if a != b:
                 out.append(f"setting {name}: {_short(a)} -> {_short(b)}")
         for name in sorted(set(self.inputs) | set(now.inputs)):
@@ -95,7 +98,12 @@ class Provenance:
         return out
 
 
+_UNSET = object()  # a field one side does not record (at its `RECORDED_SINCE` value, or not read then)
+
+
 def _short(value: Any) -> str:
+    if value is _UNSET:
+        return "(unset)"
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 80 else text[:77] + "..."
 

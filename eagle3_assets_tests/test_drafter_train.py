@@ -225,6 +225,26 @@ def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_asks_for_the
     assert (resumed.resumed_from, resumed.step) == (2, 3)
 
 
+def test_turning_the_sample_ledger_on_resumes_and_says_where_the_ledger_starts(tmp_path, data):
+    """`sample_ledger` keeps a record, it changes nothing learnt (issue 44, item 6): a run resumed with it turned on
+    goes on from its checkpoint, not from step 0, and its ledger starts at the step after, as it says."""
+    store = copy_store(data, tmp_path / "s")
+    run(store, data, max_steps=2)
+    root, keys, vmap = data
+    lines: list[str] = []
+    resumed = train_drafter(
+        store, keys, vmap=vmap, target=target_of(root / "target"),
+        settings=SETTINGS.model_copy(update={"sample_ledger": True}), log=lines.append, max_steps=4,
+    )  # fmt: skip
+    assert (resumed.resumed_from, resumed.step) == (2, 4)
+    assert (
+        f"drafter: training.sample_ledger is on, but {checkpoint_rel(2)} kept no ledger: the ledger starts at step 3 "
+        "(steps 1-2 are not in it)"
+    ) in lines
+    state = json.loads((tmp_path / "s" / checkpoint_rel(4) / "state.json").read_text())
+    assert state["ledger_from"] == 3 and [step for step, _ in state["ledger"]] == [3, 4]
+
+
 def test_drafter_learns_a_peaked_target(tmp_path):
     """On a target with confident predictions the drafter fits its training rows (a tiny set of
     random rows does not generalise to held-out rows; the vLLM test serves what it learned)."""
