@@ -35,6 +35,9 @@ from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
 RECORD_NAME = "_PROVENANCE.json"
+# A record's `extra` entry for work its artifact left undone that the next materialization does (responses' failed
+# rows): the artifact is due though made as the settings say, and this is why.
+RETRY = "retry"
 
 class ProvenanceError(Eagle3Error, RuntimeError):
     """A provenance record or an input it needs cannot be read; the message names the file."""
@@ -305,7 +308,7 @@ def current_problem(store: ArtifactStore, want: Provenance, partition: str | Non
     if record is None:
         return "no provenance record (never made, or made before provenance was kept)"
     if record.made_from == want.made_from:
-        return None
+        return record.extra.get(RETRY)
     changes = record.provenance.changes(want)
     return "made from other inputs: " + "; ".join(changes) if changes else "made from other inputs"
 

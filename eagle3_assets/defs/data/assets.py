@@ -35,7 +35,7 @@ from eagle3_assets.prompts import (
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.provenance import bytes_digest, digest
+from eagle3_assets.provenance import RETRY, bytes_digest, digest
 from eagle3_assets.shards import plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
@@ -203,12 +203,16 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         finally:
             generator.close()
     if summary.rows_failed:
+        kept = summary.rows_failed - summary.rows_to_retry
         context.log.warning(
-            f"responses: {summary.rows_failed} of {summary.rows} rows failed (retried on the next run); first: "
-            + "; ".join(summary.first_errors)
+            f"responses: {summary.rows_failed} of {summary.rows} rows failed: {summary.rows_to_retry} in the engine, "
+            f"retried on the next materialization (the asset stays due until they succeed), {kept} that cannot be "
+            "generated as set, not retried until the prompts or settings change; first: " + "; ".join(summary.first_errors)
         )
     meta = summary.as_metadata()
-    version = materialized(project, want, bytes_digest(store.read_bytes(RESPONSES_FILE)))
+    # The record keeps the retry: the asset stays due (`provenance.current_problem`) until the rows succeed.
+    retry = {RETRY: summary.retry} if summary.retry else {}
+    version = materialized(project, want, bytes_digest(store.read_bytes(RESPONSES_FILE)), extra=retry)
     return MaterializeResult(
         data_version=version["data_version"],
         metadata={
