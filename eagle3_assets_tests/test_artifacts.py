@@ -129,8 +129,10 @@ def test_vllm_settings_that_change_content_redo_what_a_vllm_engine_made_and_only
     it, and of nothing else. At
     their defaults they are left out, so a store recorded before them stays current."""
     store = ArtifactStore(tmp_path)
-    vllm = dict(generation=tiny_settings().generation.model_copy(update={"backend": "vllm"}),
-                extraction=tiny_settings().extraction.model_copy(update={"backend": "vllm"}))  # fmt: skip
+    vllm = {
+        "generation": tiny_settings().generation.model_copy(update={"backend": "vllm"}),
+        "extraction": tiny_settings().extraction.model_copy(update={"backend": "vllm"}),
+    }
     base, engine = tiny_settings(), tiny_settings(**vllm)
     fp8 = tiny_settings(**vllm, vllm=VllmSettings(extra_args=["--quantization", "fp8"]))
     f32 = tiny_settings(**vllm, vllm=VllmSettings(dtype="float32"))
