@@ -175,9 +175,8 @@ def describe_failure(
     """The error a failed job ends with: which rank, how it ended, and its last log line; or, for a job of several
     nodes (`launch`) that never met, the endpoint they were to meet at."""
     rank = failed_rank(torchrun_output)
-    if rank is None and launch is not None and launch.nnodes > 1:
-        if (met := rendezvous_failure(torchrun_output, launch)) is not None:
-            return met
+    if rank is None and launch is not None and launch.nnodes > 1 and (met := rendezvous_failure(torchrun_output, launch)):
+        return met
     if rank is None:
         tail = [ln for ln in torchrun_output.splitlines() if ln.strip()][-1:] or ["(no output)"]
         return RankFailed(f"the training job (torchrun) exited {returncode}: {tail[0]}")
