@@ -329,7 +329,14 @@ def claim_dir(store: ArtifactStore, rel_dir: str, want: Provenance, *, keep: Cal
     names = [n for n in store.listdir(rel_dir) if n != RECORD_NAME and not keep(n)]
     causes: list[str] = []
     if names:
-        causes = record.provenance.changes(want) if record is not None else ["no provenance record"]
+        if record is not None:
+            causes = record.provenance.changes(want)
+        else:  # what made it is unknown: never trusted, and the cost said
+            size = sum(store.sizes(rel_dir).values())
+            causes = [
+                f"made before provenance was kept (no record of what made it): its {len(names)} file(s), "
+                f"{size:,} bytes, are made again"
+            ]
         for name in names:
             store.remove(f"{rel_dir}/{name}", recursive=True)
     store.write_json(rel, Record(want, want.made_from).as_json())

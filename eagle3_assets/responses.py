@@ -49,6 +49,8 @@ TOKEN_FIELDS = ("prompt_token_ids", "completion_token_ids")
 
 
 STALE = "made from other inputs (another target, generation settings or prompt): generated again"
+# A row of a store made before rows were stamped: what made it is unknown, so it is never trusted (said, not silent).
+UNSTAMPED = "made before provenance was kept (no record of the target and settings that made it): generated again"
 
 
 class ResponsesError(Eagle3Error, RuntimeError):
@@ -199,7 +201,10 @@ def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: 
     if not all(all(f in r for f in TOKEN_FIELDS) for r in records):
         return None
     # A row made by another target, other settings or another prompt under the same id is redone.
-    kept = [r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE} for r, p in zip(records, chunk)]
+    kept = [
+        r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE if "made_by" in r else UNSTAMPED}
+        for r, p in zip(records, chunk)
+    ]
     return kept + [{"error": "a prompt appended since this part was written"} for _ in chunk[len(records) :]]
 
 
@@ -222,11 +227,13 @@ def generate_responses(
         if stale.startswith("part-") and int(stale[5:10]) >= num_parts:
             store.remove(f"{PARTS_DIR}/{stale}")
 
+    parts = [_read_part(store, index, prompts[index * size : (index + 1) * size], renderer) for index in range(num_parts)]
+    _announce_redo(parts, log)
     done = reused = generated = failed = new_tokens = 0
     for index in range(num_parts):
         first = index * size
         chunk = prompts[first : first + size]
-        records = _read_part(store, index, chunk, renderer)
+        records = parts[index]
         redo = list(range(len(chunk))) if records is None else [i for i, r in enumerate(records) if r.get("error")]
         if records is not None:
             reused += len(chunk) - len(redo)
@@ -251,6 +258,18 @@ def generate_responses(
             on_progress(progress)
 
     return _join_parts(store, num_parts, reused, generated, settings, started)
+
+
+def _announce_redo(parts: list[list[dict[str, Any]] | None], log: Callable[[str], None]) -> None:
+    """Before anything is generated, what is generated again though it was generated before, and why: rows of a store
+    made before provenance was kept, rows made from other inputs."""
+    rows = [r for part in parts if part is not None for r in part]
+    causes = Counter(r["error"] for r in rows if r.get("error") in (STALE, UNSTAMPED))
+    if causes:
+        log(
+            f"responses: {sum(causes.values())} of {len(rows)} rows generated before are generated again: "
+            + "; ".join(f"{n} {cause}" for cause, n in causes.items())
+        )
 
 
 def _join_parts(

@@ -108,6 +108,24 @@ def test_failed_rows_are_recorded_named_and_retried(tmp_path, generator, rendere
     assert [json.loads(line)["id"] for line in store.read_text(RESPONSES_FILE).splitlines()] == ["p0", "p1", "p2", "long"]
 
 
+def test_rows_of_a_store_made_before_provenance_are_generated_again_and_it_is_said(tmp_path, generator, renderer):
+    """Issue 44, item 6: rows written before rows were stamped with what made them were regenerated without a word;
+    they still are (what made them is unknown), and the log says how many, and why, before generating."""
+    store = ArtifactStore(tmp_path / "root")
+    prompts = make_prompts(12)
+    generate_responses(store, prompts, generator, renderer, SETTINGS)
+    old = [{k: v for k, v in json.loads(line).items() if k != "made_by"} for line in store.read_text(part_path(0)).splitlines()]
+    store.write_text(part_path(0), "".join(json.dumps(r) + "\n" for r in old))  # as an earlier version wrote it
+    lines: list[str] = []
+    summary = generate_responses(store, prompts, generator, renderer, SETTINGS, log=lines.append)
+    assert (summary.rows_reused, summary.rows_generated, summary.rows_failed) == (2, 10, 0)
+    assert lines[0] == (
+        "responses: 10 of 12 rows generated before are generated again: 10 made before provenance was kept (no "
+        "record of the target and settings that made it): generated again"
+    )
+    assert all("made_by" in r for r in read_responses(store))
+
+
 class FailsOnce:
     """A generator whose engine fails the first prompt of its first call (a dropped request), then works."""
 

@@ -1,5 +1,6 @@
 import pytest
 
+from eagle3_assets.provenance import Provenance, claim_dir
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet, plan_rows, remove_stale_shard_dirs
@@ -76,3 +77,17 @@ def test_shard_directories_cut_for_another_plan_are_removed_and_counted(tmp_path
         store.write_bytes(f"hidden_states/{name}/0.safetensors", b"x" * size)
     assert remove_stale_shard_dirs(store, ["rows_0-20"]) == {"rows_0-10": 5, "rows_10-20": 7}
     assert store.listdir("hidden_states") == ["_leases", "rows_0-20"]
+
+
+def test_a_shard_directory_made_before_provenance_is_made_again_saying_so_and_what_it_costs(tmp_path):
+    """Issue 44, item 6: a shard of a store made before records were kept was wiped as 'no provenance record'; what
+    made it is still unknown, so it is extracted again, and the cause says so with the files and bytes it held."""
+    store = ArtifactStore(tmp_path)
+    for row, size in [(0, 100), (1, 150)]:
+        store.write_bytes(f"hidden_states/rows_0-2/{row}.safetensors", b"x" * size)
+    want = Provenance("hidden_states", {"aux_layer_ids": [1, 2, 3]}, {"rows": "abc"}, 1)
+    assert claim_dir(store, "hidden_states/rows_0-2", want) == [
+        "made before provenance was kept (no record of what made it): its 2 file(s), 250 bytes, are made again"
+    ]
+    assert store.listdir("hidden_states/rows_0-2") == ["_PROVENANCE.json"]
+    assert claim_dir(store, "hidden_states/rows_0-2", want) == []
