@@ -24,16 +24,30 @@ from dataclasses import dataclass, field
 from eagle3_assets.settings import Settings, TrainingSettings
 
 # Training settings that change how a run is carried out, not what it learns or exports.
-TRAINING_HOW = ("checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch")
+# `sample_ledger` only keeps a record of what was trained (issue 44, item 6): toggling it retrains nothing.
+TRAINING_HOW = (
+    "checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch", "sample_ledger"
+)  # fmt: skip
 # And those a checkpoint may still be resumed under, though the export may differ (which checkpoint is
 # exported, when evaluation and early stop look): left out of a run's fingerprint (`drafter/train.py`), not
 # out of the drafter's provenance.
 TRAINING_VOLATILE = (*TRAINING_HOW, "eval_every", "export_checkpoint", "early_stop_evals")
 # How any engine is served: where, on what, with which limits; and how the target is opened (every asset that
 # reads the target resolves it: `Project.target()`). Where these determine content they are in `reads` (the
-# target's own, the shards') and reach the rest through the `target_model` parent. `vllm.dtype` and
-# `vllm.extra_args` can change what an engine computes (a quantization flag): a known gap (issue 44).
+# target's own, the shards') and reach the rest through the `target_model` parent, except the vLLM settings that
+# change what an engine computes (`VLLM_CONTENT`), read by what a vLLM engine made.
 SERVING = ("vllm", "alerts", "target_model", "trust_remote_code", "aux_layer_ids")
+# The vLLM settings that change what an engine computes: its dtype, its arguments (a quantization flag such as
+# `--quantization fp8`; every argument counts, since which of them change numbers is vLLM's to say) and its context
+# (generation stops at it). Each is in the `reads` of what a vLLM engine made with them: responses and shards when
+# their backend is vLLM. Extraction refuses a row longer than the context, never cuts one: not there. drafter_eval
+# starts its engines with settings of its own (`drafter/evaluate.py`), none of these.
+VLLM_CONTENT = ("vllm.dtype", "vllm.extra_args", "vllm.max_model_len")
+VLLM_EXTRACTION = ("vllm.dtype", "vllm.extra_args")
+# Fields recorded only since a later version, with the value every artifact made before had: a field at that value is
+# left out of the provenance (`provenance.settings_read`), so an upgrade leaves a store made with it current, and a
+# record holding it at another value names it ("setting vllm.dtype: (unset) -> \"float32\"").
+RECORDED_SINCE: dict[str, object] = {"vllm.dtype": "auto", "vllm.extra_args": [], "vllm.max_model_len": None}
 
 
 # The EAGLE-3 recipe in `training`: the other families do not read these (`dflash` has its own section).
@@ -85,6 +99,18 @@ def _tokenized(s: Settings) -> tuple[str, ...]:
     return fields + (("training.seed",) if s.training.rolling else ())  # rolling shuffles with its seed
 
 
+def _responses(s: Settings) -> tuple[str, ...]:
+    sampling = ("max_new_tokens", "temperature", "top_p", "seed", "reasoning", "chat_template_kwargs")
+    # `generation.backend` chooses the engine fields, yet stays how it runs: with the vLLM settings at their defaults
+    # (left out of the record, `RECORDED_SINCE`) both engines make the same rows (docs/DESIGN.md §6).
+    engine = VLLM_CONTENT if s.generation.backend == "vllm" else ()
+    return ("max_seq_len",) + tuple(f"generation.{f}" for f in sampling) + engine
+
+
+def _hidden_states(s: Settings) -> tuple[str, ...]:
+    return ("aux_layer_ids", "extraction.storage_dtype") + (VLLM_EXTRACTION if s.extraction.backend == "vllm" else ())
+
+
 def _drafter(_: Settings) -> tuple[str, ...]:
     learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
     return ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
@@ -120,10 +146,7 @@ ARTIFACTS: dict[str, Artifact] = {
         Artifact("target_model", _target_model, runs_with=(*SERVING, "extraction.storage_dtype", "generation.reasoning")),
         Artifact(
             "responses",
-            lambda _: ("max_seq_len",) + tuple(
-                f"generation.{f}"
-                for f in ("max_new_tokens", "temperature", "top_p", "seed", "reasoning", "chat_template_kwargs")
-            ),
+            _responses,
             parents=("prompts", "target_model"),
             runs_with=(*SERVING, "generation.backend", "generation.batch_size", "generation.rows_per_part",
                        "generation.max_error_rate"),
@@ -138,7 +161,7 @@ ARTIFACTS: dict[str, Artifact] = {
         Artifact("vocab_map", lambda _: ("draft_vocab_size",), parents=("token_freq",)),
         Artifact(
             "hidden_states",
-            lambda _: ("aux_layer_ids", "extraction.storage_dtype"),
+            _hidden_states,
             parents=("target_model",),
             runs_with=(*SERVING, "extraction.backend", "extraction.batch_tokens", "extraction.progress_interval_s",
                        "extraction.disk_margin", "extraction.max_retries", "extraction.backfill_cron",

@@ -31,13 +31,16 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.artifacts import ARTIFACTS
+from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.file_digests import DIGESTS, FileDigests
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
 RECORD_NAME = "_PROVENANCE.json"
+# A record's `extra` entry for work its artifact left undone that the next materialization does (responses' failed
+# rows): the artifact is due though made as the settings say, and this is why.
+RETRY = "retry"
 
 class ProvenanceError(Eagle3Error, RuntimeError):
     """A provenance record or an input it needs cannot be read; the message names the file."""
@@ -65,8 +68,11 @@ def _field(settings: Settings, path: str) -> Any:
 
 
 def settings_read(asset: str, settings: Settings) -> dict[str, Any]:
-    """The settings fields that determine `asset`'s content (`artifacts.py`), by dotted name, with their values."""
-    return {f: _field(settings, f) for f in ARTIFACTS[asset].reads(settings)}
+    """The settings fields that determine `asset`'s content (`artifacts.py`), by dotted name, with their values; a
+    field recorded only since a later version is left out at the value artifacts made before it had (`RECORDED_SINCE`),
+    so their records stay current."""
+    values = {f: _field(settings, f) for f in ARTIFACTS[asset].reads(settings)}
+    return {f: v for f, v in values.items() if f not in RECORDED_SINCE or v != RECORDED_SINCE[f]}
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ class Provenance:
         """What differs between this (recorded) provenance and `now`, one phrase each, settings first."""
         out = []
         for name in sorted(set(self.settings) | set(now.settings)):
-            a, b = self.settings.get(name, "(unset)"), now.settings.get(name, "(unset)")
+            a, b = self.settings.get(name, _UNSET), now.settings.get(name, _UNSET)
             if a != b:
                 out.append(f"setting {name}: {_short(a)} -> {_short(b)}")
         for name in sorted(set(self.inputs) | set(now.inputs)):
@@ -98,7 +104,12 @@ class Provenance:
         return out
 
 
+_UNSET = object()  # a field one side does not record (at its `RECORDED_SINCE` value, or not read then)
+
+
 def _short(value: Any) -> str:
+    if value is _UNSET:
+        return "(unset)"
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -364,7 +375,7 @@ def current_problem(store: ArtifactStore, want: Provenance, partition: str | Non
     if record is None:
         return "no provenance record (never made, or made before provenance was kept)"
     if record.made_from == want.made_from:
-        return None
+        return record.extra.get(RETRY)
     changes = record.provenance.changes(want)
     return "made from other inputs: " + "; ".join(changes) if changes else "made from other inputs"
 
@@ -385,7 +396,14 @@ def claim_dir(store: ArtifactStore, rel_dir: str, want: Provenance, *, keep: Cal
     names = [n for n in store.listdir(rel_dir) if n != RECORD_NAME and not keep(n)]
     causes: list[str] = []
     if names:
-        causes = record.provenance.changes(want) if record is not None else ["no provenance record"]
+        if record is not None:
+            causes = record.provenance.changes(want)
+        else:  # what made it is unknown: never trusted, and the cost said
+            size = sum(store.sizes(rel_dir).values())
+            causes = [
+                f"made before provenance was kept (no record of what made it): its {len(names)} file(s), "
+                f"{size:,} bytes, are made again"
+            ]
         for name in names:
             store.remove(f"{rel_dir}/{name}", recursive=True)
     store.write_json(rel, Record(want, want.made_from).as_json())

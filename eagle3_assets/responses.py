@@ -11,7 +11,9 @@ people, decoded from those ids.
 Rows are generated in parts of `rows_per_part` prompts; each part is written
 atomically to `responses/parts/part-NNNNN.jsonl`, so a killed run keeps every
 finished part and the rerun generates only what is missing (and retries rows that
-failed). When all parts exist they are joined into `responses/responses.jsonl`.
+failed). A row the engine failed (`retryable`) leaves the asset due (`ResponsesSummary.retry`, kept in its record),
+so the next materialization retries it; a row that cannot be generated as set (a prompt over `max_seq_len`, a
+template error) is said once and not retried until something changes. When all parts exist they are joined into `responses/responses.jsonl`.
 A part is trusted only if it parses, holds exactly the prompt ids it should, rendered with
 the template kwargs they are rendered with now, and was written in this format (parts of
 the earlier, text-only format are regenerated). Each row is stamped (`made_by`) with what made it:
@@ -47,6 +49,8 @@ TOKEN_FIELDS = ("prompt_token_ids", "completion_token_ids")
 
 
 STALE = "made from other inputs (another target, generation settings or prompt): generated again"
+# A row of a store made before rows were stamped: what made it is unknown, so it is never trusted (said, not silent).
+UNSTAMPED = "made before provenance was kept (no record of the target and settings that made it): generated again"
 
 
 class ResponsesError(Eagle3Error, RuntimeError):
@@ -98,9 +102,20 @@ class ResponsesSummary:
     seconds: float
     first_errors: list[str]
     modes: dict[str, int]  # rows per set of chat-template kwargs ('{}' = the template's defaults)
+    rows_to_retry: int = 0  # of the failed rows, those the engine failed: the next materialization retries them
 
     def as_metadata(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def retry(self) -> str | None:
+        """Why the asset is due again though made as the settings say (kept in its record), or None."""
+        if not self.rows_to_retry:
+            return None
+        return (
+            f"{self.rows_to_retry} row(s) failed in the engine and are retried on the next materialization "
+            f"(first: {'; '.join(self.first_errors[:2])})"
+        )
 
 
 def part_path(index: int) -> str:
@@ -141,6 +156,7 @@ def render(prompt: Prompt, renderer: Renderer) -> list[int] | str:
 
 
 def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: Generated, renderer: Renderer) -> dict[str, Any]:
+    """One row; a failed one says whether a retry may succeed (`retryable`: the engine failed it, not its prompt)."""
     messages = list(prompt.messages)
     reasoning_tokens = 0
     if g.error is None and prompt_ids is not None:
@@ -163,6 +179,7 @@ def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: G
             "reasoning_tokens": reasoning_tokens,
         },
         "error": g.error,
+        **({"retryable": prompt_ids is not None} if g.error is not None else {}),
         **prompt.extra,
         "made_by": renderer.stamp(prompt),
     }
@@ -184,7 +201,10 @@ def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: 
     if not all(all(f in r for f in TOKEN_FIELDS) for r in records):
         return None
     # A row made by another target, other settings or another prompt under the same id is redone.
-    kept = [r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE} for r, p in zip(records, chunk)]
+    kept = [
+        r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE if "made_by" in r else UNSTAMPED}
+        for r, p in zip(records, chunk)
+    ]
     return kept + [{"error": "a prompt appended since this part was written"} for _ in chunk[len(records) :]]
 
 
@@ -207,11 +227,13 @@ def generate_responses(
         if stale.startswith("part-") and int(stale[5:10]) >= num_parts:
             store.remove(f"{PARTS_DIR}/{stale}")
 
+    parts = [_read_part(store, index, prompts[index * size : (index + 1) * size], renderer) for index in range(num_parts)]
+    _announce_redo(parts, log)
     done = reused = generated = failed = new_tokens = 0
     for index in range(num_parts):
         first = index * size
         chunk = prompts[first : first + size]
-        records = _read_part(store, index, chunk, renderer)
+        records = parts[index]
         redo = list(range(len(chunk))) if records is None else [i for i, r in enumerate(records) if r.get("error")]
         if records is not None:
             reused += len(chunk) - len(redo)
@@ -238,13 +260,25 @@ def generate_responses(
     return _join_parts(store, num_parts, reused, generated, settings, started)
 
 
+def _announce_redo(parts: list[list[dict[str, Any]] | None], log: Callable[[str], None]) -> None:
+    """Before anything is generated, what is generated again though it was generated before, and why: rows of a store
+    made before provenance was kept, rows made from other inputs."""
+    rows = [r for part in parts if part is not None for r in part]
+    causes = Counter(r["error"] for r in rows if r.get("error") in (STALE, UNSTAMPED))
+    if causes:
+        log(
+            f"responses: {sum(causes.values())} of {len(rows)} rows generated before are generated again: "
+            + "; ".join(f"{n} {cause}" for cause, n in causes.items())
+        )
+
+
 def _join_parts(
     store: ArtifactStore, num_parts: int, reused: int, generated: int, settings: GenerationSettings, started: float
 ) -> ResponsesSummary:
     lines: list[str] = []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
     errors: list[str] = []
-    finish_length = 0
+    finish_length = retry = 0
     modes: Counter[str] = Counter()
     for index in range(num_parts):
         for line in store.read_text(part_path(index)).splitlines():
@@ -253,6 +287,7 @@ def _join_parts(
                 totals[k] += record["usage"][k]
             if record.get("error"):
                 errors.append(f"row {record['row']} (id {record['id']}): {record['error']}")
+                retry += bool(record.get("retryable"))
             finish_length += record["finish_reason"] == "length"
             modes[mode_label(record.get("chat_template_kwargs", {}))] += 1
             lines.append(line + "\n")
@@ -267,6 +302,7 @@ def _join_parts(
         seconds=round(time.monotonic() - started, 3),
         first_errors=errors[:5],
         modes=dict(modes),
+        rows_to_retry=retry,
         **totals,
     )
     rate = len(errors) / max(1, len(lines))

@@ -99,6 +99,10 @@ class LaunchSettings(_Section):
     )
     rdzv_id: str = Field("eagle3-drafter", min_length=1, description="the job's name at the rendezvous")
     rdzv_backend: Literal["c10d"] = "c10d"
+    join_timeout_s: float = Field(
+        600.0, gt=0, description="several nodes: how long each waits at the rendezvous for the others (a node that "
+        "never arrives fails the job after this long, named)",
+    )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="a collective that waits longer than this (a rank lost) ends the job"
     )

@@ -1,7 +1,10 @@
 """The tokenized conversation set: flat arrays plus row offsets (docs/DESIGN.md §2).
 
 Row r is `input_ids[offsets[r]:offsets[r+1]]` with the matching `loss_mask` slice. One
-safetensors file holds all of it; `row_ids` keeps the `responses` row each row came from.
+safetensors file holds all of it; `row_ids` keeps the `responses` row each row came from, and
+`shard_ends` the shards the rows are cut into (`plan_rows`: a row keeps its place and its shard
+when rows are added; rows new to the set, appended prompts or rows retried after failing, land in
+new shards after the others).
 
 A row is token-exact: the `responses` row's `prompt_token_ids` (mask 0: the prompt and
 any history turns, which the target did not write) followed by its
@@ -15,7 +18,7 @@ an end-of-turn it did not produce.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from safetensors.numpy import load as st_load
@@ -23,6 +26,7 @@ from safetensors.numpy import save as st_save
 
 from eagle3_assets.errors import Refusal
 from eagle3_assets.provenance import bytes_digest
+from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import ArtifactStore
 
 TOKENIZED_FILE = "tokenized/tokenized.safetensors"
@@ -34,6 +38,9 @@ class TokenizedSet:
     loss_mask: np.ndarray  # [total_tokens] uint8
     offsets: np.ndarray  # [num_rows + 1] int64, offsets[0] == 0
     row_ids: np.ndarray  # [num_rows] int64: index of the source row in `responses`
+    # [num_shards] int64: where each shard ends (`plan_rows`); None in a set written before it was kept, cut then as
+    # `plan_shards` cuts it.
+    shard_ends: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.loss_mask.shape:
@@ -44,6 +51,20 @@ class TokenizedSet:
             raise ValueError("every row needs at least one token (offsets must increase)")
         if len(self.row_ids) != self.num_rows:
             raise ValueError(f"{len(self.row_ids)} row ids for {self.num_rows} rows")
+        ends = self.shard_ends
+        if ends is not None and (len(ends) == 0 or ends[-1] != self.num_rows or np.any(np.diff(ends, prepend=0) <= 0)):
+            raise ValueError(f"shard ends {ends.tolist()} do not cut {self.num_rows} rows into non-empty shards")
+
+    def shards(self, shard_size: int) -> list[Shard]:
+        """The shards its rows are cut into: as planned when it was made (`plan_rows`), or, in a set written before
+        the plan was kept, every `shard_size` rows."""
+        if self.shard_ends is None:
+            return plan_shards(self.num_rows, shard_size)
+        starts = [0, *self.shard_ends[:-1].tolist()]
+        return [Shard(a, b) for a, b in zip(starts, self.shard_ends.tolist(), strict=True)]
+
+    def with_shards(self, shards: list[Shard]) -> TokenizedSet:
+        return replace(self, shard_ends=np.array([s.end for s in shards], dtype=np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -99,15 +120,13 @@ class TokenizedSet:
         )
 
     def to_bytes(self, metadata: dict[str, str] | None = None) -> bytes:
-        return st_save(
-            {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets, "row_ids": self.row_ids},
-            metadata=metadata,
-        )
+        arrays = {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets, "row_ids": self.row_ids}
+        return st_save(arrays | ({"shard_ends": self.shard_ends} if self.shard_ends is not None else {}), metadata=metadata)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TokenizedSet:
         t = st_load(data)
-        return cls(t["input_ids"], t["loss_mask"], t["offsets"], t["row_ids"])
+        return cls(t["input_ids"], t["loss_mask"], t["offsets"], t["row_ids"], t.get("shard_ends"))
 
     def save(self, store: ArtifactStore, metadata: dict[str, str] | None = None) -> int:
         return store.write_bytes(TOKENIZED_FILE, self.to_bytes(metadata))
@@ -115,6 +134,66 @@ class TokenizedSet:
     @classmethod
     def load(cls, store: ArtifactStore) -> TokenizedSet:
         return cls.from_bytes(store.read_bytes(TOKENIZED_FILE))
+
+
+# The settings a row plan is made under: another value of any places every row again.
+PLAN_SETTINGS = ("shard_size", "training.mode", "training.seed")
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The rows in training order, cut into shards (`tset.shards`), and what became of the plan before."""
+
+    tset: TokenizedSet
+    kept_rows: int  # rows that kept their place and shard from the set before
+    notes: list[str]  # why every row was placed again, when it was
+
+
+def plan_rows(rows: TokenizedSet, shard_size: int, seed: int | None, previous: TokenizedSet | None, replan: str | None = None) -> RowPlan:
+    """Order `rows` (in `responses` order) and cut them into shards, keeping the plan of `previous` (the set in the
+    store, made under the same `PLAN_SETTINGS`; None when there is none or they differ, `replan` then saying why).
+
+    Every row of `previous` keeps its place, so its shard keeps its rows (a shard is extracted again only when its
+    own rows' content changed); rows new to the set (appended prompts, rows retried after they failed) follow in
+    new shards of `shard_size` rows, in `responses` order or, with `seed` (rolling), shuffled among themselves. A
+    shard that was the last and short stays short: it may be trained and released already (rolling). With no
+    `previous`, or when one of its rows is gone, every row is placed again: `seed` shuffles the whole set, so any
+    shard is a uniform slice of it."""
+    if previous is not None:
+        where = {int(r): i for i, r in enumerate(rows.row_ids.tolist())}
+        gone = [int(r) for r in previous.row_ids.tolist() if int(r) not in where]
+        if not gone:
+            before = set(previous.row_ids.tolist())
+            new = np.array([i for i, r in enumerate(rows.row_ids.tolist()) if r not in before], dtype=np.int64)
+            if seed is not None and len(new):
+                new = new[np.random.default_rng([seed, 0x5A4D, previous.num_rows]).permutation(len(new))]
+            order = np.concatenate([np.array([where[int(r)] for r in previous.row_ids.tolist()], dtype=np.int64), new])
+            tset = rows.reordered(order)
+            added = [Shard(a, min(a + shard_size, tset.num_rows)) for a in range(previous.num_rows, tset.num_rows, shard_size)]
+            return RowPlan(tset.with_shards(previous.shards(shard_size) + added), previous.num_rows, [])
+        replan = (
+            f"{len(gone)} row(s) of the tokenized set before are no longer usable (responses rows "
+            f"{', '.join(map(str, gone[:5]))}{', …' if len(gone) > 5 else ''}): every row is placed again"
+        )
+    tset = rows.shuffled(seed) if seed is not None else rows
+    return RowPlan(tset.with_shards(plan_shards(tset.num_rows, shard_size)), 0, [replan] if replan else [])
+
+
+def remove_stale_shard_dirs(store: ArtifactStore, keys: list[str]) -> dict[str, int]:
+    """Remove every shard directory under `hidden_states/` that is no shard of `keys` (cut for another `shard_size`
+    or rows placed again): nothing trains on it, and it may hold as much as the shards that do. Returns each removed
+    directory with the bytes it held."""
+    # torch comes with sample_file: imported only when shards are planned.
+    from eagle3_assets.sample_file import HIDDEN_STATES_DIR
+
+    removed: dict[str, int] = {}
+    for name in store.listdir(HIDDEN_STATES_DIR):
+        if name in keys or not name.startswith("rows_"):  # `_leases/` and anything not a shard stay
+            continue
+        rel = f"{HIDDEN_STATES_DIR}/{name}"
+        removed[name] = sum(store.sizes(rel).values())
+        store.remove(rel, recursive=True)
+    return removed
 
 
 class ResponsesFormatError(Refusal, ValueError):

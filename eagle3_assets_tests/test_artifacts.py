@@ -16,6 +16,8 @@ from pydantic import BaseModel
 from eagle3_assets.artifacts import ARTIFACTS, Artifact
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.project import Project
+from eagle3_assets.provenance import Inputs, expected
+from eagle3_assets.settings import VllmSettings
 from eagle3_assets.storage import ArtifactStore
 
 from .conftest import tiny_settings
@@ -151,3 +153,42 @@ def test_with_both_families_each_assets_parents_are_its_dagster_deps_but_where_a
     settings = type(tiny_settings()).model_validate({**tiny_settings().model_dump(), "drafters": ["eagle3", "dflash"]})
     defs = build_definitions(Project(settings, ArtifactStore(tmp_path)))
     assert parents_apart_from_deps(defs, ARTIFACTS, settings) == []
+
+
+def made_from(asset: str, settings, store: ArtifactStore, partition: str | None = None) -> str:
+    return expected(asset, Inputs(settings, store), partition).made_from
+
+
+def test_vllm_settings_that_change_content_redo_what_a_vllm_engine_made_and_only_that(tmp_path):
+    """`vllm.dtype`, `vllm.extra_args` (a quantization flag) and `vllm.max_model_len` shape what a vLLM engine makes
+    (issue 44, item 6): each is in the provenance of what one made with them (responses, shards), so a change redoes
+    it, and of nothing else. At
+    their defaults they are left out, so a store recorded before them stays current."""
+    store = ArtifactStore(tmp_path)
+    vllm = {
+        "generation": tiny_settings().generation.model_copy(update={"backend": "vllm"}),
+        "extraction": tiny_settings().extraction.model_copy(update={"backend": "vllm"}),
+    }
+    base, engine = tiny_settings(), tiny_settings(**vllm)
+    fp8 = tiny_settings(**vllm, vllm=VllmSettings(extra_args=["--quantization", "fp8"]))
+    f32 = tiny_settings(**vllm, vllm=VllmSettings(dtype="float32"))
+    longer = tiny_settings(**vllm, vllm=VllmSettings(max_model_len=4096))
+    hf_f32 = tiny_settings(vllm=VllmSettings(dtype="float32", extra_args=["--quantization", "fp8"]))
+    for asset, partition in [("responses", None), ("hidden_states", "rows_0-20")]:
+        default = made_from(asset, base, store, partition)
+        # The defaults leave every record as it was before these were recorded (and one engine as the other).
+        assert made_from(asset, engine, store, partition) == default
+        assert made_from(asset, fp8, store, partition) != default
+        assert made_from(asset, f32, store, partition) != default
+    assert made_from("responses", longer, store) != made_from("responses", base, store)
+    # Extraction refuses a row past the context, never cuts one: the context changes no shard.
+    assert made_from("hidden_states", longer, store, "rows_0-20") == made_from("hidden_states", base, store, "rows_0-20")
+    # Generated and extracted by HF, nothing depends on them; drafter_eval starts its engines with settings of its own.
+    assert made_from("responses", hf_f32, store) == made_from("responses", base, store)
+    assert made_from("hidden_states", hf_f32, store, "rows_0-20") == made_from("hidden_states", base, store, "rows_0-20")
+    for asset in ("prompts", "target_model", "tokenized", "token_freq", "vocab_map", "drafter", "drafter_eval",
+                  "drafter_release"):  # fmt: skip
+        assert made_from(asset, fp8, store) == made_from(asset, base, store), asset
+    # The redo names the setting.
+    before, after = expected("responses", Inputs(engine, store)), expected("responses", Inputs(fp8, store))
+    assert before.changes(after) == ['setting vllm.extra_args: (unset) -> ["--quantization", "fp8"]']

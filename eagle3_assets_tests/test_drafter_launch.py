@@ -17,11 +17,13 @@ from eagle3_assets.drafter.launch import (
     LaunchRefused,
     RankFailed,
     RankRefused,
+    RendezvousFailed,
     describe_failure,
     ranks_per_node,
     torchrun_command,
 )
 from eagle3_assets.processes import process_alive
+from eagle3_assets.vllm_server.client import free_port
 from eagle3_assets.settings import LaunchSettings, SettingsError, parse_settings
 
 
@@ -87,7 +89,7 @@ def test_the_torchrun_command_of_one_node_and_of_several(tmp_path):
     several = LaunchSettings(nnodes=3, rdzv_endpoint="node0:29400", rdzv_id="run-7")
     assert torchrun_command(several, 2, tmp_path, ["--max-steps", "5"]) == [
         *head, "--nnodes=3", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=run-7",
-        "-m", "eagle3_assets.drafter", "--max-steps", "5",
+        "--rdzv-conf=join_timeout=600,read_timeout=60", "-m", "eagle3_assets.drafter", "--max-steps", "5",
     ]  # fmt: skip
 
 
@@ -125,6 +127,35 @@ def test_a_failed_rank_is_named_with_how_it_ended_and_its_last_log_line(tmp_path
         assert ") exited 3; its last log line: error: a refusal. Every rank's log: " in str(error)
     # rank 0, left in a collective, was stopped by torchrun rather than waiting
     assert "rank      : 0 (local_rank: 0)" in proc.stderr or "NO_OTHER_FAILURES" in proc.stderr
+
+
+@pytest.mark.parametrize("fault", ["never arrives", "bad endpoint"])
+def test_nodes_that_never_meet_are_named_with_the_endpoint_and_the_settings(tmp_path, fault):
+    """Issue 44, item 9 (left from issue 33): a node that never arrives, or an endpoint this node cannot reach, ended
+    the job with torchrun's bare exception; now it names the endpoint and the settings. One node of two is started
+    (the other never comes) with a 3 s join timeout."""
+    endpoint = f"127.0.0.1:{free_port()}" if fault == "never arrives" else "no-such-node.invalid:29400"
+    launch = LaunchSettings(nproc_per_node=1, nnodes=2, rdzv_endpoint=endpoint, join_timeout_s=3)
+    cmd = torchrun_command(launch, 1, tmp_path / "logs")
+    cmd = [*cmd[: cmd.index("-m", 3)], "-m", "json.tool", os.devnull]  # never started: the nodes never meet
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    error = describe_failure(proc.stdout + proc.stderr, proc.returncode, tmp_path / "logs", launch)
+    assert type(error) is RendezvousFailed and error.retryable
+    if fault == "never arrives":
+        assert str(error) == (
+            f"the training job's nodes did not all meet at training.launch.rdzv_endpoint {endpoint} within "
+            "training.launch.join_timeout_s (3 s): of training.launch.nnodes=2, at least one never arrived. Every node "
+            f"must run the same torchrun command (rdzv_id 'eagle3-drafter') and reach {endpoint}"
+        )
+    else:
+        assert str(error).startswith(
+            "the training job cannot reach its rendezvous at training.launch.rdzv_endpoint no-such-node.invalid:29400 ("
+        )
+        assert str(error).endswith(
+            "): check the host and port (the node, or on Kubernetes the Service, that hosts the rendezvous) and that "
+            "this node reaches it"
+        )
 
 
 def test_a_job_that_failed_without_torchrun_s_report_is_described_by_its_last_line(tmp_path):

@@ -3,6 +3,7 @@ memory:// stores, checkpoint contents, the shard guard, and that the drafter lea
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
@@ -21,7 +23,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
-from eagle3_assets.drafter.checkpoint import CheckpointError, checkpoint_rel, list_checkpoints, save_checkpoint
+from eagle3_assets.drafter.checkpoint import (
+    CheckpointError,
+    StagingFull,
+    checkpoint_rel,
+    list_checkpoints,
+    read_checkpoint_state,
+    save_checkpoint,
+)
 from eagle3_assets.drafter.launch import LaunchRefused, refuse_another_world_size
 from eagle3_assets.drafter.run import export_choice
 from eagle3_assets.drafter.selection import BEST_DIR
@@ -225,6 +234,26 @@ def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_asks_for_the
     assert (resumed.resumed_from, resumed.step) == (2, 3)
 
 
+def test_turning_the_sample_ledger_on_resumes_and_says_where_the_ledger_starts(tmp_path, data):
+    """`sample_ledger` keeps a record, it changes nothing learnt (issue 44, item 6): a run resumed with it turned on
+    goes on from its checkpoint, not from step 0, and its ledger starts at the step after, as it says."""
+    store = copy_store(data, tmp_path / "s")
+    run(store, data, max_steps=2)
+    root, keys, vmap = data
+    lines: list[str] = []
+    resumed = train_drafter(
+        store, keys, vmap=vmap, target=target_of(root / "target"),
+        settings=SETTINGS.model_copy(update={"sample_ledger": True}), log=lines.append, max_steps=4,
+    )  # fmt: skip
+    assert (resumed.resumed_from, resumed.step) == (2, 4)
+    assert (
+        f"drafter: training.sample_ledger is on, but {checkpoint_rel(2)} kept no ledger: the ledger starts at step 3 "
+        "(steps 1-2 are not in it)"
+    ) in lines
+    state = json.loads((tmp_path / "s" / checkpoint_rel(4) / "state.json").read_text())
+    assert state["ledger_from"] == 3 and [step for step, _ in state["ledger"]] == [3, 4]
+
+
 def test_drafter_learns_a_peaked_target(tmp_path):
     """On a target with confident predictions the drafter fits its training rows (a tiny set of
     random rows does not generalise to held-out rows; the vLLM test serves what it learned)."""
@@ -362,6 +391,43 @@ def test_weights_that_are_not_finite_are_never_checkpointed(tmp_path):
     with pytest.raises(CheckpointError, match=r"step 7: not checkpointed, 1 tensor\(s\) hold non-finite values \(fc.weight\)"):
         save_checkpoint(store, 7, model_tensors=bad, optimizer=opt, param_names=["weight", "bias"], scheduler=sched, state={})
     assert list_checkpoints(store) == []
+
+
+def test_a_full_local_temporary_directory_under_a_checkpoint_is_a_named_refusal(tmp_path, monkeypatch):
+    """Issue 44, item 9 (left from issue 33): a checkpoint is assembled in the local temporary directory first; a full
+    one (the write fails with ENOSPC: no test can fill the disk, so the write is made to fail) refuses naming the
+    directory, its free bytes and the bytes needed, and leaves the checkpoint before as the newest, readable."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    store = ArtifactStore(tmp_path / "store")
+    names = [n for n, _ in model.named_parameters()]
+    save = dict(model_tensors=dict(model.named_parameters()), optimizer=opt, param_names=names, scheduler=sched,
+                state={"next_position": {"epoch": 0, "batch": 2}})  # fmt: skip
+    save_checkpoint(store, 2, **save)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "local"))
+    (tmp_path / "local").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+
+    def full(tensors, path, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr("eagle3_assets.drafter.checkpoint.save_file", full)
+    with pytest.raises(StagingFull) as e:
+        save_checkpoint(store, 4, **save)
+    assert not e.value.retryable
+    message = str(e.value)
+    needed = sum(p.numel() * 4 + 128 for p in model.parameters())  # the weights; the optimizer and state come on top
+    assert re.fullmatch(
+        rf"cannot assemble {re.escape(store.url_of(checkpoint_rel(4)))} in the local temporary directory "
+        rf"{re.escape(str(tmp_path / 'local'))}: [\d,]+ bytes free there, ([\d,]+) bytes needed \(writing it failed: "
+        r"\[Errno 28\] No space left on device: '.+/model\.safetensors'\)\. Free space there, or point TMPDIR at a "
+        rf"larger disk; the newest checkpoint, {re.escape(store.url_of(checkpoint_rel(2)))}, is intact",
+        message,
+    )
+    assert int(re.search(r"([\d,]+) bytes needed", message)[1].replace(",", "")) > needed
+    assert list_checkpoints(store) == [2] and read_checkpoint_state(store, checkpoint_rel(2)).step == 2
+    assert list((tmp_path / "local").iterdir()) == []  # nothing left in the temporary directory
 
 
 def test_the_schedule_warms_up_linearly_then_decays_to_zero_at_the_last_step():

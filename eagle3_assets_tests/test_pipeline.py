@@ -94,6 +94,47 @@ def test_tokenized_registers_shard_keys_matching_the_row_count(pipeline):
     assert sorted(instance.get_dynamic_partitions("hidden_state_shards")) == ["rows_0-20", "rows_20-40", "rows_40-45"]
 
 
+def test_appended_prompts_in_rolling_mode_land_in_new_shards_and_a_shard_size_change_is_said_and_cleaned(tmp_path, tiny_target_dir):
+    """Issue 44, item 6: in rolling mode (rows shuffled) appending prompts re-extracted every shard; now every shard
+    keeps its rows and the new rows land in a new shard, which the asset names. A `shard_size` change cuts every
+    shard again, says so, and removes the directories of the old cut (they held as much as the new ones)."""
+    from eagle3_assets.demo.prompts import demo_prompt_sets
+
+    train, held = demo_prompt_sets(TINY_DEMO)
+    prompts, heldout = tmp_path / "prompts.jsonl", tmp_path / "eval.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in train[:40]))
+    heldout.write_text("".join(json.dumps(p) + "\n" for p in held[:4]))
+    rolling = tiny_settings(prompts=str(prompts), eval_prompts=str(heldout)).training.model_copy(update={"mode": "rolling"})
+    settings = tiny_settings(prompts=str(prompts), eval_prompts=str(heldout), training=rolling)
+    store = ArtifactStore(tmp_path / "store")
+    seed_demo_target(store, tiny_target_dir)
+    keys = ["prompts", "target_model", "responses", "tokenized"]
+
+    def shard_rows() -> dict[str, str]:
+        return json.loads((tmp_path / "store" / "tokenized" / "_PROVENANCE.json").read_text())["extra"]["shard_rows"]
+
+    with instance_for_test() as instance:
+        assert run(build_definitions(Project(settings, store)), instance, keys).success
+        first = shard_rows()
+        assert list(first) == ["rows_0-20", "rows_20-40"]
+        store.write_bytes("hidden_states/rows_0-20/0.safetensors", b"x" * 10)  # as if extracted
+        with prompts.open("a") as f:
+            f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
+        assert run(build_definitions(Project(settings, store)), instance, keys).success
+        assert {k: shard_rows()[k] for k in first} == first and list(shard_rows()) == [*first, "rows_40-45"]
+        meta = latest_metadata(instance, "tokenized")
+        assert (meta["shards_to_extract"], meta["rows_kept_in_place"], meta["replanned"]) == (1, 40, "no")
+        assert store.exists("hidden_states/rows_0-20/0.safetensors")
+
+        smaller = settings.model_copy(update={"shard_size": 15})
+        assert run(build_definitions(Project(smaller, store)), instance, ["tokenized"]).success
+        meta = latest_metadata(instance, "tokenized")
+        assert meta["replanned"] == "setting shard_size: 20 -> 15: every row is placed again and every shard is cut again"
+        assert (meta["shards_to_extract"], meta["stale_shard_dirs_removed"], meta["stale_shard_bytes_removed"]) == (3, 1, 10)
+        assert store.listdir("hidden_states") == []
+        assert registered_shard_keys(instance) == ["rows_0-15", "rows_15-30", "rows_30-45"]
+
+
 def test_one_shard_materializes_and_passes_its_check(pipeline):
     project, defs, instance = pipeline
     result = run(defs, instance, ["hidden_states"], "rows_40-45")

@@ -163,7 +163,7 @@ def test_each_change_redoes_exactly_what_it_made_stale_through_either_door(made_
     assert "made from other inputs: setting training.lr: 0.0001 -> 0.0003" in lr
     assert "drafter: not resuming" in lr and "settings.lr: checkpoint 0.0001, now 0.0003" in lr
     assert "setting generation.max_new_tokens: 8 -> 6" in logs["generation.max_new_tokens"]
-    wiped = [line for line in logs["another target"].splitlines() if "removed files made from other inputs" in line]
+    wiped = [line for line in logs["another target"].splitlines() if "its files are not reused, it is extracted again" in line]
     assert len(wiped) == 3 and all("input target_model: " in line for line in wiped), wiped
     assert "[start] not made again for its own check, what follows it waits: vocab_map: its check vocab_map_invariant " \
         "failed" in logs["vocab_map's check fails"]

@@ -3,8 +3,10 @@ import json
 import pytest
 
 from eagle3_assets.chat import TemplateKwargsError, generation_prompt_ids
+from eagle3_assets.generation.base import Generated
 from eagle3_assets.generation.hf import HFGenerator
 from eagle3_assets.prompts import Prompt
+from eagle3_assets.provenance import RETRY, Provenance, Record, current_problem, write_record
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import RESPONSES_FILE, Renderer, ResponsesError, generate_responses, part_path, read_responses
 from eagle3_assets.settings import GenerationSettings
@@ -104,6 +106,63 @@ def test_failed_rows_are_recorded_named_and_retried(tmp_path, generator, rendere
         generate_responses(store, prompts, generator, renderer, strict)
     # nothing lost: the file still holds every row, and only the failed row was retried
     assert [json.loads(line)["id"] for line in store.read_text(RESPONSES_FILE).splitlines()] == ["p0", "p1", "p2", "long"]
+
+
+def test_rows_of_a_store_made_before_provenance_are_generated_again_and_it_is_said(tmp_path, generator, renderer):
+    """Issue 44, item 6: rows written before rows were stamped with what made them were regenerated without a word;
+    they still are (what made them is unknown), and the log says how many, and why, before generating."""
+    store = ArtifactStore(tmp_path / "root")
+    prompts = make_prompts(12)
+    generate_responses(store, prompts, generator, renderer, SETTINGS)
+    old = [{k: v for k, v in json.loads(line).items() if k != "made_by"} for line in store.read_text(part_path(0)).splitlines()]
+    store.write_text(part_path(0), "".join(json.dumps(r) + "\n" for r in old))  # as an earlier version wrote it
+    lines: list[str] = []
+    summary = generate_responses(store, prompts, generator, renderer, SETTINGS, log=lines.append)
+    assert (summary.rows_reused, summary.rows_generated, summary.rows_failed) == (2, 10, 0)
+    assert lines[0] == (
+        "responses: 10 of 12 rows generated before are generated again: 10 made before provenance was kept (no "
+        "record of the target and settings that made it): generated again"
+    )
+    assert all("made_by" in r for r in read_responses(store))
+
+
+class FailsOnce:
+    """A generator whose engine fails the first prompt of its first call (a dropped request), then works."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.stop_token_ids, self.calls = inner, inner.name, inner.stop_token_ids, 0
+
+    def generate(self, prompts):
+        self.calls += 1
+        out = self.inner.generate(prompts)
+        return [Generated.failed("the engine dropped the request"), *out[1:]] if self.calls == 1 else out
+
+    def close(self) -> None:
+        pass
+
+
+def test_rows_the_engine_failed_keep_the_asset_due_and_are_retried_in_place(tmp_path, generator, renderer):
+    """Issue 44, item 9: a row the engine failed is retried by the next materialization (its record says why it is
+    due), in its own place; a prompt that cannot be generated as set is not counted for a retry."""
+    store = ArtifactStore(tmp_path / "root")
+    prompts = make_prompts(3) + [Prompt("long", [{"role": "user", "content": "plums " * 300}])]
+    first = generate_responses(store, prompts, FailsOnce(generator), renderer, SETTINGS)
+    assert (first.rows_failed, first.rows_to_retry) == (2, 1)
+    assert first.retry == (
+        "1 row(s) failed in the engine and are retried on the next materialization (first: row 0 (id p0): the engine "
+        "dropped the request; row 3 (id long): prompt has "
+    ) + first.first_errors[1].split("prompt has ", 1)[1] + ")"
+    assert [r.get("retryable") for r in read_responses(store)] == [True, None, None, False]
+    want = Provenance("responses", {}, {}, 1)
+    write_record(store, Record(want, "v1", {RETRY: first.retry}))
+    assert current_problem(store, want) == first.retry  # due, and the start command and the daemon say why
+
+    again = generate_responses(store, prompts, generator, renderer, SETTINGS)
+    assert (again.rows_failed, again.rows_to_retry, again.retry, again.rows_reused) == (1, 0, None, 2)
+    records = read_responses(store)
+    assert [r["id"] for r in records] == ["p0", "p1", "p2", "long"] and len(records[0]["completion_token_ids"]) == 6
+    write_record(store, Record(want, "v2"))
+    assert current_problem(store, want) is None
 
 
 def test_parts_rendered_with_other_template_kwargs_are_regenerated_and_an_unread_kwarg_is_refused(

@@ -34,7 +34,6 @@ from eagle3_assets.processes import die_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.settings import DRAFTER_FAMILIES
-from eagle3_assets.shards import plan_shards
 from eagle3_assets.tokenized import TokenizedSet
 
 DRAFTER_DIR = "drafter"
@@ -51,7 +50,7 @@ def train(report: Report, max_steps: int | None, family: str = "eagle3") -> Draf
     store, settings = project.store, project.settings
     target = project.target()
     tokenized = TokenizedSet.load(store)
-    shards = plan_shards(tokenized.num_rows, settings.shard_size)
+    shards = tokenized.shards(settings.shard_size)
     if not settings.training.rolling:
         spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype)
         bad = {s.key: p for s in shards if (p := manifest_problem(store, tokenized, s, spec))}

@@ -13,14 +13,17 @@ The last `KEEP_LAST` are kept.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
@@ -128,18 +131,62 @@ def save_checkpoint(
     return rel
 
 
+class StagingFull(CheckpointError):
+    """The local temporary directory a checkpoint is assembled in has no room for it; the message names the
+    directory, its free bytes and the bytes needed. A retry meets the same full disk."""
+
+    retryable = False
+
+
+def _staging_full(store: ArtifactStore, rel: str, staging: str, needed: int, cause: str = "") -> StagingFull:
+    try:
+        free = f"{shutil.disk_usage(staging).free:,} bytes free"
+    except OSError:
+        free = "its free space unknown"
+    newest = latest_checkpoint(store)
+    return StagingFull(
+        f"cannot assemble {store.url_of(rel)} in the local temporary directory {staging}: {free} there, "
+        f"{needed:,} bytes needed{cause}. Free space there, or point TMPDIR at a larger disk; "
+        + (f"the newest checkpoint, {store.url_of(newest)}, is intact" if newest else "no checkpoint was written")
+    )
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether a write failed for want of space: an OSError, or safetensors' own error, which carries the OS error as
+    text."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, SafetensorError) and ("os error 28" in str(e) or "StorageFull" in str(e))
+
+
 def publish_weights(
     store: ArtifactStore, rel: str, model_tensors: dict[str, torch.Tensor], state: dict[str, Any], **more: dict[str, torch.Tensor]
 ) -> None:
     """`rel` made of `model.safetensors`, a `<name>.safetensors` for each of `more`, and `state.json` (format and step
-    added), assembled in a temporary directory and published as one (`ArtifactStore.put_dir`)."""
+    added), assembled in a local temporary directory and published as one (`ArtifactStore.put_dir`). A temporary
+    directory without room for it refuses (`StagingFull`) before a byte is published, checked before writing and at
+    each write: the checkpoints already published stay as they were."""
     body = {"format": CHECKPOINT_FORMAT, **state}
+    files = {"model": {k: v.detach().cpu().contiguous() for k, v in model_tensors.items()}, **more}
+    text = json.dumps(body, indent=2, sort_keys=True) + "\n"
+    # Each tensor's bytes, its header entry (~100 bytes) and the state: a floor, the write itself has the last word.
+    needed = sum(t.numel() * t.element_size() + 128 for ts in files.values() for t in ts.values()) + len(text.encode())
+    staging = tempfile.gettempdir()
+    try:
+        if shutil.disk_usage(staging).free < needed:
+            raise _staging_full(store, rel, staging, needed)
+    except OSError:
+        pass  # its free space unknown: the write says
     with tempfile.TemporaryDirectory(prefix="drafter-weights-") as tmp:
         d = Path(tmp)
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_tensors.items()}, str(d / "model.safetensors"))
-        for name, tensors in more.items():
-            save_file(tensors, str(d / f"{name}.safetensors"))
-        (d / "state.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        try:
+            for name, tensors in files.items():
+                save_file(tensors, str(d / f"{name}.safetensors"))
+            (d / "state.json").write_text(text)
+        except (OSError, SafetensorError) as e:
+            if _no_space(e):
+                raise _staging_full(store, rel, staging, needed, f" (writing it failed: {e})") from None
+            raise
         store.put_dir(d, rel)
 
 

@@ -51,14 +51,15 @@ SETTINGS_ADDED_LATER: dict[str, Any] = {
     "adam_beta2": 0.95,
     "batch_order": "by_length",
     "mode": "offline",
-    "sample_ledger": False,
 }
 
 
 def with_settings_added_later(fingerprint: dict[str, Any]) -> dict[str, Any]:
     """A saved run fingerprint with the behaviour of settings it predates filled in (a checkpoint from before
-    inputs were recorded has none: its data is unknown, so it resumes no run that names its inputs)."""
-    return {"inputs": {}, **fingerprint, "settings": SETTINGS_ADDED_LATER | fingerprint.get("settings", {})}
+    inputs were recorded has none: its data is unknown, so it resumes no run that names its inputs). Settings that
+    became volatile since it was saved (`sample_ledger`) are dropped from it as from a run's."""
+    saved = {k: v for k, v in fingerprint.get("settings", {}).items() if k not in TRAINING_VOLATILE}
+    return {"inputs": {}, **fingerprint, "settings": SETTINGS_ADDED_LATER | saved}
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:

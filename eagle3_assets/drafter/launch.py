@@ -99,9 +99,12 @@ def torchrun_command(launch: LaunchSettings, nproc: int, log_dir: Path, args: Se
     if launch.nnodes == 1:
         cmd.append("--standalone")
     else:
+        # A connection to the rendezvous that takes longer than the join is a failure anyway: torchrun's own 60 s
+        # read timeout would outlast a short join timeout.
+        join = f"join_timeout={launch.join_timeout_s:g},read_timeout={min(60.0, launch.join_timeout_s):g}"
         cmd += [
             f"--nnodes={launch.nnodes}", f"--rdzv-backend={launch.rdzv_backend}",
-            f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-id={launch.rdzv_id}",
+            f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-id={launch.rdzv_id}", f"--rdzv-conf={join}",
         ]  # fmt: skip
     return [*cmd, "-m", "eagle3_assets.drafter", *args]
 
@@ -140,9 +143,40 @@ def last_log_line(log_dir: Path, local_rank: int) -> str:
     return max(lines)[2] if lines else "(it wrote nothing)"
 
 
-def describe_failure(torchrun_output: str, returncode: int, log_dir: Path) -> RankFailed:
-    """The error a failed job ends with: which rank, how it ended, and its last log line."""
+class RendezvousFailed(TrainingError):
+    """The nodes did not meet: the rendezvous endpoint cannot be reached, or a node never arrived; the message names
+    the endpoint and the settings. Retried: a node still being scheduled may arrive on the next run."""
+
+
+def rendezvous_failure(torchrun_output: str, launch: LaunchSettings) -> RendezvousFailed | None:
+    """What a job whose nodes never met (torchrun's rendezvous errors) says, naming the endpoint and the settings;
+    None when the output shows no rendezvous error."""
+    where = f"training.launch.rdzv_endpoint {launch.rdzv_endpoint}"
+    if "RendezvousTimeoutError" in torchrun_output:
+        return RendezvousFailed(
+            f"the training job's nodes did not all meet at {where} within training.launch.join_timeout_s "
+            f"({launch.join_timeout_s:g} s): of training.launch.nnodes={launch.nnodes}, at least one never arrived. "
+            f"Every node must run the same torchrun command (rdzv_id {launch.rdzv_id!r}) and reach {launch.rdzv_endpoint}"
+        )
+    if "RendezvousConnectionError" in torchrun_output or "DistNetworkError" in torchrun_output:
+        cause = [ln for ln in torchrun_output.splitlines() if "DistNetworkError" in ln or "timed out" in ln][-1:]
+        return RendezvousFailed(
+            f"the training job cannot reach its rendezvous at {where}"
+            + (f" ({cause[0].split(': ', 1)[-1].strip()})" if cause else "")
+            + ": check the host and port (the node, or on Kubernetes the Service, that hosts the rendezvous) and "
+            "that this node reaches it"
+        )
+    return None
+
+
+def describe_failure(
+    torchrun_output: str, returncode: int, log_dir: Path, launch: LaunchSettings | None = None
+) -> TrainingError:
+    """The error a failed job ends with: which rank, how it ended, and its last log line; or, for a job of several
+    nodes (`launch`) that never met, the endpoint they were to meet at."""
     rank = failed_rank(torchrun_output)
+    if rank is None and launch is not None and launch.nnodes > 1 and (met := rendezvous_failure(torchrun_output, launch)):
+        return met
     if rank is None:
         tail = [ln for ln in torchrun_output.splitlines() if ln.strip()][-1:] or ["(no output)"]
         return RankFailed(f"the training job (torchrun) exited {returncode}: {tail[0]}")

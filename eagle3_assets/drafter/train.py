@@ -220,6 +220,7 @@ class _Run:
     # With training.sample_ledger: [step, rows of the step's batch over all ranks], every step this run's
     # checkpoints hold, saved in each of them.
     ledger: list[list] | None
+    ledger_from: int = 1  # the first step the ledger holds (later than 1 when it was turned on mid-run)
     evals: list[Evaluation] = field(default_factory=list)  # held-out evaluations so far, saved in each checkpoint
 
     def train_step(self, step: int, batch: Batch) -> dict[str, float]:
@@ -282,7 +283,7 @@ class _Run:
                     "aux_layer_ids": list(self.fmt.aux_layer_ids),
                     "metrics": metrics,
                     "evals": self.evals,
-                    **({"ledger": self.ledger} if self.ledger is not None else {}),
+                    **({"ledger": self.ledger, "ledger_from": self.ledger_from} if self.ledger is not None else {}),
                 },
             )  # fmt: skip
             if tb is not None:
@@ -467,7 +468,15 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     if run.env.is_main:
         log(f"drafter: resuming from {rel} (step {ck.step} of {run.total_steps}, epoch {pos.epoch} batch {pos.batch})")
     if run.ledger is not None:
-        run.ledger = list(ck.state.get("ledger") or [])
+        # `sample_ledger` is not in the run's fingerprint (it changes nothing learnt): a run resumed with it on,
+        # from a checkpoint that kept none, has no ledger of the steps before, and says so.
+        if "ledger" in ck.state:
+            run.ledger, run.ledger_from = list(ck.state["ledger"]), int(ck.state.get("ledger_from", 1))
+        else:
+            run.ledger_from = ck.step + 1
+            if run.env.is_main:
+                log(f"drafter: training.sample_ledger is on, but {rel} kept no ledger: the ledger starts at step "
+                    f"{run.ledger_from} (steps 1-{ck.step} are not in it)")  # fmt: skip
     if run.window is not None:
         # A kill after a shard's last checkpoint may have left its record or its release undone.
         run.window.reconcile(pos.epoch, run.loader.steps_before)

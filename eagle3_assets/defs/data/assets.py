@@ -35,10 +35,17 @@ from eagle3_assets.prompts import (
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.provenance import bytes_digest, digest, sampled_version
-from eagle3_assets.shards import plan_shards
+from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version
+from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
-from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet, tokenize_responses
+from eagle3_assets.tokenized import (
+    PLAN_SETTINGS,
+    TOKENIZED_FILE,
+    TokenizedSet,
+    plan_rows,
+    remove_stale_shard_dirs,
+    tokenize_responses,
+)
 from eagle3_assets.vocab_map import (
     TOKEN_FREQ_FILE,
     VOCAB_MAP_FILE,
@@ -206,12 +213,16 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         finally:
             generator.close()
     if summary.rows_failed:
+        kept = summary.rows_failed - summary.rows_to_retry
         context.log.warning(
-            f"responses: {summary.rows_failed} of {summary.rows} rows failed (retried on the next run); first: "
-            + "; ".join(summary.first_errors)
+            f"responses: {summary.rows_failed} of {summary.rows} rows failed: {summary.rows_to_retry} in the engine, "
+            f"retried on the next materialization (the asset stays due until they succeed), {kept} that cannot be "
+            "generated as set, not retried until the prompts or settings change; first: " + "; ".join(summary.first_errors)
         )
     meta = summary.as_metadata()
-    version = materialized(project, want, bytes_digest(store.read_bytes(RESPONSES_FILE)))
+    # The record keeps the retry: the asset stays due (`provenance.current_problem`) until the rows succeed.
+    retry = {RETRY: summary.retry} if summary.retry else {}
+    version = materialized(project, want, bytes_digest(store.read_bytes(RESPONSES_FILE)), extra=retry)
     return MaterializeResult(
         data_version=version["data_version"],
         metadata={
@@ -238,22 +249,49 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
             overlong=settings.overlong,
             unfinished=settings.unfinished_responses,
         )
-    row_order = "responses"
-    if settings.training.rolling:
-        # Rolling mode trains shard after shard in a single pass: each shard must be a uniform slice.
-        tset, row_order = tset.shuffled(settings.training.seed), f"shuffled (seed {settings.training.seed})"
+    # Rolling mode trains shard after shard in a single pass: each shard must be a uniform slice (seeded shuffle).
+    seed = settings.training.seed if settings.training.rolling else None
+    row_order = f"shuffled (seed {seed})" if seed is not None else "responses"
+    before, previous, replan = read_record(store, "tokenized"), None, None
+    if before is not None and store.exists(TOKENIZED_FILE):
+        moved = [c for c in before.provenance.changes(want) if c.split(":")[0] in {f"setting {f}" for f in PLAN_SETTINGS}]
+        if moved:
+            replan = f"{'; '.join(moved)}: every row is placed again and every shard is cut again"
+        else:
+            with failures("tokenized"):
+                previous = TokenizedSet.load(store)
+    plan = plan_rows(tset, settings.shard_size, seed, previous, replan)
+    tset, shards = plan.tset, plan.tset.shards(settings.shard_size)
     nbytes = tset.save(
         store,
         metadata={"model": project.model_name, "max_seq_len": str(settings.max_seq_len), "row_order": row_order},
     )
-    shards = plan_shards(tset.num_rows, settings.shard_size)
     keys = [s.key for s in shards]
     # Each shard's rows, digested: a shard is extracted again only when its own rows changed.
     shard_rows = {s.key: tset.rows_digest(s.start, s.end) for s in shards}
-    version = materialized(project, want, tset.rows_digest(0, tset.num_rows), extra={"shard_rows": shard_rows})
+    was = before.extra.get("shard_rows", {}) if before is not None else {}
+    to_extract = [k for k in keys if was.get(k) != shard_rows[k]]
+    rows_version = tset.rows_digest(0, tset.num_rows)
+    if shards != plan_shards(tset.num_rows, settings.shard_size):  # shards added after a short one: the cut is content
+        rows_version = digest([rows_version, keys])
+    version = materialized(project, want, rows_version, extra={"shard_rows": shard_rows})
     stale = sync_shard_partitions(context.instance, keys)
+    removed = remove_stale_shard_dirs(store, keys)
+    for note in plan.notes:
+        context.log.warning(f"tokenized: {note}")
+    if was and to_extract:
+        context.log.warning(
+            f"tokenized: {len(to_extract)} of {len(keys)} shards to extract ({sum(len(Shard.parse(k)) for k in to_extract)} "
+            f"rows; new or with other rows: {', '.join(to_extract[:8])}{', …' if len(to_extract) > 8 else ''}); "
+            f"{plan.kept_rows} rows kept their shard"
+        )
     if stale:
-        context.log.warning(f"removed shard keys that no longer match the row count: {stale}")
+        context.log.warning(f"tokenized: removed shard keys that are no longer shards of the tokenized set: {stale}")
+    if removed:
+        context.log.warning(
+            f"tokenized: removed {len(removed)} shard directories that are no longer shards of the tokenized set "
+            f"({sum(removed.values())} bytes): {', '.join(removed)}"
+        )
     if summary.rows_unfinished:
         verb = "dropped" if settings.unfinished_responses == "drop" else "kept as generated (no end-of-turn added)"
         context.log.warning(
@@ -270,6 +308,11 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
             "bytes": nbytes,
             "shards": len(keys),
             "shard_keys": MetadataValue.json(keys),
+            "shards_to_extract": len(to_extract),
+            "rows_kept_in_place": plan.kept_rows,
+            "replanned": "; ".join(plan.notes) or "no",
+            "stale_shard_dirs_removed": len(removed),
+            "stale_shard_bytes_removed": sum(removed.values()),
             "row_order": row_order,
             "path": store.url_of(TOKENIZED_FILE),
         }

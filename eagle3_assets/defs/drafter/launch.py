@@ -118,7 +118,7 @@ def train_with_torchrun(
         _forward(console, offset)
     _observe(context, session.get_custom_messages(), seen)
     if proc.returncode != 0:
-        raise describe_failure(console.read_text(errors="replace"), proc.returncode, log_dir)
+        raise describe_failure(console.read_text(errors="replace"), proc.returncode, log_dir, launch)
     results = [r for r in session.get_results() if isinstance(r, MaterializeResult)]
     if not results:
         raise RankFailed(f"the training job exited 0 but rank 0 reported no result; its output: {console}")

@@ -74,7 +74,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
             want = Staleness(project).expected("hidden_states", shard.key)
             # Files extracted from another target, other rows or other settings are never reused.
             if causes := claim_dir(store, shard_dir(shard.key), want):
-                context.log.warning(f"shard {shard.key}: removed files made from other inputs ({'; '.join(causes)})")
+                context.log.warning(f"shard {shard.key}: its files are not reused, it is extracted again: {'; '.join(causes)}")
             target = project.target()
             tset = TokenizedSet.load(store)
             spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype, project.model_name)
