@@ -522,6 +522,8 @@ def demo_settings() -> Settings:
             lr=3e-3, warmup_steps=20, epochs=16.0, batch_tokens=2048, weight_decay=0.3, checkpoint_every=100,
             heldout_rows=64,
         ),
+        # Both families from the one data build; drafter_release serves the better (BENCHMARKS.md `families`).
+        drafters=["eagle3", "dflash"],
         demo=demo,
     )
 

@@ -40,7 +40,7 @@ from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.evaluate import load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
-from eagle3_assets.drafter.family import build_drafter
+from eagle3_assets.drafter.family import build_drafter, family_root
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
@@ -217,18 +217,31 @@ def test_served_drafter_meets_the_acceptance_bar_and_reads_the_target(demo):
     assert report["feature_gain_k7"] >= SIZE.gain_k7
 
 
-def test_the_first_drafter_that_passes_the_gate_is_released_with_the_figures_it_served(demo):
+def test_the_family_serving_best_is_released_with_the_figures_it_served_and_the_other_is_named(demo):
+    """Both families trained from the one data build, both served in vLLM greedily, the better one released."""
     project, instance = demo
-    report = project.store.read_json(EVAL_REPORT_FILE)
-    record = project.store.read_json(RELEASE_RECORD)
+    families = project.settings.drafters
+    assert families == ["eagle3", "dflash"]
+    reports = {f: project.store.child(family_root(f)).read_json(EVAL_REPORT_FILE) for f in families}
+    for f, report in reports.items():
+        assert report["outputs_match_greedy"] and report["mismatches"] == [], f
+        assert report["decode_speedup_k3"] > 0 and report["decode_speedup_k7"] > 0, f  # measured, in the same run
+    best = max(families, key=lambda f: reports[f]["mean_acceptance_length_k7"])
+    other = next(f for f in families if f != best)
+    report, record = reports[best], project.store.read_json(RELEASE_RECORD)
     served = {"k3": report["mean_acceptance_length_k3"], "k7": report["mean_acceptance_length_k7"]}
-    assert (record["acceptance"], record["replaced"]) == (served, None)
-    assert record["export_sha256"] == report["export_sha256"] == export_digest(project.store)
+    assert (record["family"], record["acceptance"], record["replaced"]) == (best, served, None)
+    assert record["export_sha256"] == report["export_sha256"] == export_digest(project.store.child(family_root(best)))
     assert record["reason"].startswith("first release: k=3 ")
     event = instance.get_latest_materialization_event(DRAFTER_RELEASE).asset_materialization
-    assert event.metadata["promoted"].value is True
+    assert event.metadata["promoted"].value is True and event.metadata["family"].value == best
     gate = AssetCheckKey(DRAFTER_RELEASE, RELEASE_CHECK)
-    assert instance.event_log_storage.get_latest_asset_check_execution_by_key([gate])[gate].status.value == "SUCCEEDED"
+    execution = instance.event_log_storage.get_latest_asset_check_execution_by_key([gate])[gate]
+    assert execution.status.value == "SUCCEEDED"
+    assert (
+        f"{other} serves at mean acceptance length {reports[other]['mean_acceptance_length_k7']:.3f} at k=7, {best} "
+        f"at {report['mean_acceptance_length_k7']:.3f} (same prompts, k and engine): {best} is released, {other} is not"
+    ) in event.metadata["reason"].value
 
 
 def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, answers, tmp_path_factory):

@@ -78,6 +78,8 @@ class EvalReport:
     engine: str = ""  # the engine and its version
     acceptance: dict[str, float] = field(default_factory=dict)  # "k3" -> mean acceptance length
     acceptance_zeroed: dict[str, float] = field(default_factory=dict)  # features zeroed
+    # "k3" -> decode tokens/s with the drafter over plain decoding, the two passes in the same interpreter
+    speedup: dict[str, float] = field(default_factory=dict)
     modes: dict[str, int] = field(default_factory=dict)  # chat-template kwargs (mode_label) -> prompts
     acceptance_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)  # mode -> "k3" -> acceptance
     per_position: dict[str, list[float]] = field(default_factory=dict)
@@ -102,6 +104,8 @@ class EvalReport:
         (self.acceptance_zeroed if zeroed else self.acceptance)[f"k{k}"] = spec.mean_acceptance_length
         if not zeroed:
             self.per_position[f"k{k}"] = spec.acceptance_per_position
+            if plain.decode_tokens_per_s:
+                self.speedup[f"k{k}"] = spec.decode_tokens_per_s / plain.decode_tokens_per_s
             for mode, part in spec.by_group.items():
                 self.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
                 log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
@@ -128,6 +132,7 @@ class EvalReport:
             meta[f"mean_acceptance_length_k{k}_features_zeroed"] = round(self.acceptance_zeroed[f"k{k}"], 4)
             meta[f"feature_gain_k{k}"] = round(self.feature_gain(k), 4)
             meta[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in self.per_position[f"k{k}"]]
+            meta[f"decode_speedup_k{k}"] = round(self.speedup.get(f"k{k}", 0.0), 4)
         meta["prompts_by_mode"] = self.modes
         meta["mean_acceptance_length_by_mode"] = {
             mode: {k: round(v, 4) for k, v in acc.items()} for mode, acc in self.acceptance_by_mode.items()
@@ -277,8 +282,16 @@ def evaluate_drafter(
         )
         started = time.monotonic()
 
+        plain_rate: list[float] = []
+
         def on_result(i: int, result: GenerationResult) -> None:
-            accepted = "" if i == 0 else f", mean acceptance length {result.mean_acceptance_length:.3f}"
+            rate = result.decode_tokens_per_s
+            if i == 0:
+                plain_rate.append(rate)
+                accepted = f", {rate:.1f} tokens/s"
+            else:
+                speedup = f" ({rate / plain_rate[0]:.2f}x plain)" if plain_rate and plain_rate[0] else ""
+                accepted = f", mean acceptance length {result.mean_acceptance_length:.3f}, {rate:.1f} tokens/s{speedup}"
             log(f"drafter_eval: pass {i + 1}/{len(labels)} ({labels[i]}) done at {time.monotonic() - started:.0f}s{accepted}")
 
         plain, *speculative = generate_runs_in_subprocess(

@@ -58,6 +58,7 @@ class GenerationResult:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     by_group: dict[str, GenerationResult] = field(default_factory=dict)  # label -> that group's prompts alone
+    seconds: float = 0.0  # wall time of the generate calls alone (no engine start)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -72,6 +73,12 @@ class GenerationResult:
         return served / (served - self.num_accepted_tokens) if served > self.num_accepted_tokens else 1.0
 
     @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decoding (prefill included, engine start not): the figure a speedup over
+        plain decoding is the ratio of, measured in the same engine process."""
+        return sum(map(len, self.outputs)) / self.seconds if self.seconds else 0.0
+
+    @property
     def acceptance_per_position(self) -> list[float]:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
 
@@ -82,6 +89,7 @@ class GenerationResult:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
             "tokens_per_forward": self.tokens_per_forward,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
     @classmethod
@@ -93,6 +101,7 @@ class GenerationResult:
             num_accepted_tokens=d["num_accepted_tokens"],
             accepted_per_position=d["accepted_per_position"],
             by_group={label: cls.from_json(g) for label, g in d.get("by_group", {}).items()},
+            seconds=float(d.get("seconds", 0.0)),
         )
 
     @classmethod
@@ -211,9 +220,12 @@ def generate(
             for label in dict.fromkeys(labels):
                 members = [i for i, g in enumerate(labels) if g == label]
                 before = _spec_counters(llm.get_metrics())
+                started = time.perf_counter()
                 outs = llm.generate([token_prompts[i] for i in members], params, use_tqdm=False)
+                seconds = time.perf_counter() - started
                 counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
                 by_group[label] = GenerationResult.from_counters([list(o.outputs[0].token_ids) for o in outs], counters)
+                by_group[label].seconds = seconds
                 for i, o in zip(members, by_group[label].outputs, strict=True):
                     outputs[i] = o
         finally:
@@ -231,6 +243,7 @@ def generate(
         num_accepted_tokens=sum(p.num_accepted_tokens for p in parts),
         accepted_per_position=per_position,
         by_group=by_group if groups is not None else {},
+        seconds=sum(p.seconds for p in parts),
     )
 
 

@@ -1,0 +1,111 @@
+"""Drafter families from one data build: EAGLE-3 and DFlash variants trained on the demo's shards, served in vLLM.
+
+Needs a store the demo built (`make demo`: responses, shards, vocab map). Each variant trains from scratch through
+the one training loop (`train_drafter` with its family) into `bench/<variant>/` of that store, is exported, and is
+served with the target on the demo's held-out prompts, plainly and at k=3 and k=7, in one interpreter (vLLM CPU).
+Reported per variant: optimizer steps, training CPU-seconds (this process, all threads), the held-out acceptance
+estimate at the best evaluation, the served mean acceptance length, and decode tokens/s over plain decoding measured
+in the same run (BENCHMARKS.md, `families`).
+
+    EAGLE3_ROOT=.eagle3 .venv/bin/python benchmarks/bench_families.py eagle3 dflash dflash-2layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
+from eagle3_assets.drafter.evaluate import load_eval_prompts
+from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.family import DFlash, Eagle3, Family, mask_token_id
+from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
+from eagle3_assets.project import Project
+from eagle3_assets.settings import DFlashSettings, Settings, TrainingSettings, demo_settings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel, load_tokenizer
+from eagle3_assets.tokenized import TokenizedSet
+from eagle3_assets.vocab_map import VocabMap
+
+# name -> (family, training overrides, dflash overrides), each over the demo's settings
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "eagle3": ("eagle3", {}, {}),
+    "dflash": ("dflash", {}, {}),
+    "dflash-2layers": ("dflash", {}, {"num_layers": 2}),
+    "dflash-3x-steps": ("dflash", {"epochs": 48.0}, {}),
+    "dflash-32-anchors": ("dflash", {}, {"anchors_per_row": 32}),
+}
+
+
+def family_for(name: str, settings: Settings, target: TargetModel) -> tuple[Family, TrainingSettings]:
+    """The variant's family, writing under `bench/<name>/`, and its training settings."""
+    kind, training, dflash = VARIANTS[name]
+    train = TrainingSettings.model_validate(settings.training.model_dump() | training)
+    if kind == "eagle3":
+        return Eagle3(train, root=f"bench/{name}"), train
+    options = DFlashSettings.model_validate(settings.dflash.model_dump() | dflash)
+    return DFlash(train, options, mask_token_id(options, target), root=f"bench/{name}"), train
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="*", default=["eagle3", "dflash"], choices=sorted(VARIANTS))
+    ap.add_argument("--store", default=".eagle3", help="the demo's store ($EAGLE3_ROOT)")
+    args = ap.parse_args(argv)
+    settings = demo_settings()
+    store = ArtifactStore(args.store)
+    project = Project(settings, store)
+    target = project.target()
+    keys = [s.key for s in TokenizedSet.load(store).shards(settings.shard_size)]
+    vmap = VocabMap.load(store)
+    rows: dict[str, dict[str, Any]] = {}
+    for name in args.variants:
+        family, training = family_for(name, settings, target)
+        out = store.child(family.root)
+        if out.exists("drafter"):  # a fresh run each time: nothing resumed
+            out.remove("drafter", recursive=True)
+        before, wall = cpu_seconds(), time.perf_counter()
+        result = train_drafter(store, keys, vmap=vmap, target=target, settings=training, family=family,
+                               log=lambda line: None)  # fmt: skip
+        cpu, wall = cpu_seconds() - before, time.perf_counter() - wall
+        best = result.best or {}
+        family.export(out, result.model.trainable_state_dict(), result.config, result.aux_layer_ids, EXPORT_DIR)
+        rows[name] = {
+            "family": family.name, "steps": result.step, "train_cpu_s": round(cpu), "train_wall_s": round(wall),
+            "estimate_k3": round(best.get("accept_len_k3", 0.0), 3), "estimate_k7": round(best.get("accept_len_k7", 0.0), 3),
+            "export": out.local_path(EXPORT_DIR),
+        }  # fmt: skip
+        print(f"{name}: trained {result.step} steps in {cpu:.0f} CPU-s ({wall:.0f} s)", file=sys.stderr, flush=True)
+    prompts = load_eval_prompts(store)
+    tokenizer = load_tokenizer(target)
+    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
+    max_tokens = settings.generation.max_new_tokens
+    served = [(name, k) for name in rows for k in SPECULATIVE_TOKENS]
+    plain, *spec = generate_runs_in_subprocess(
+        project.target_dir(), prompt_ids,
+        [{}] + [{"draft_dir": rows[n]["export"], "method": rows[n]["family"], "num_speculative_tokens": k} for n, k in served],
+        common={"max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False},
+    )  # fmt: skip
+    for (name, k), result in zip(served, spec, strict=True):
+        assert result.outputs == plain.outputs, f"{name} k={k}: speculative output differs from greedy"
+        rows[name][f"served_k{k}"] = round(result.mean_acceptance_length, 3)
+        rows[name][f"speedup_k{k}"] = round(result.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
+    for row in rows.values():
+        row.pop("export")
+    print(json.dumps({"prompts": len(prompt_ids), "max_tokens": max_tokens, "variants": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
