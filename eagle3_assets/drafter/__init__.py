@@ -1,13 +1,17 @@
-"""The EAGLE-3 drafter: model, training on stored hidden states, export, serving check.
+"""Draft models of every family (EAGLE-3, DFlash): models, training on stored hidden states, export, serving check.
 
-model.py        the draft network (one Llama-style layer over fused target features)
-target_head.py  the target's embedding / final norm / lm_head, and its distribution from stored states
-ttt.py          the training-time-test objective (alignment, masking, loss, acc_k)
-data.py         shard guard, sample index, deterministic resumable batches
-checkpoint.py   resumable training state in the store, no pickles
-train.py        train_drafter(...): the run (single process or torchrun data-parallel)
-launch.py       the torchrun job the `drafter` asset starts: ranks per node, command, a failed rank named
-report.py       where a rank reports: Dagster Pipes when the asset launched it, else stdout
-export.py       the servable export, checked against the names engines load
-vllm_eval.py    serve the export with its target in vLLM and read the acceptance
+family.py         what a family contributes (model, objective, export) and where its outputs live
+model.py          EAGLE-3: one Llama-style layer over fused target features, unrolled by TTT
+ttt.py            EAGLE-3's training-time-test objective (alignment, masking, loss, acc_k), the scoring both share
+dflash_model.py   DFlash: Qwen3-style layers drafting a block of mask slots over the target's context
+dflash_loss.py    DFlash's objective: blocks at sampled anchors, scored as TTT steps
+target_head.py    the target's embedding / final norm / lm_head, and its distribution from stored states
+data.py           shard guard, sample index, deterministic resumable batches
+checkpoint.py     resumable training state in the store, no pickles
+train.py          train_drafter(...): the run of any family (single process or torchrun data-parallel)
+launch.py         the torchrun job a drafter asset starts: ranks per node, command, a failed rank named
+report.py         where a rank reports: Dagster Pipes when the asset launched it, else stdout
+export.py         EAGLE-3's servable export, checked against the names engines load
+dflash_export.py  DFlash's servable export, checked against the names vLLM loads
+vllm_eval.py      serve an export with its target in vLLM and read the acceptance
 """

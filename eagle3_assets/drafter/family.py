@@ -97,7 +97,10 @@ class Eagle3:
     def step_weight(self) -> float:
         return self.settings.step_weight
 
-    def build(self, target, weights, vmap, aux_layer_ids, seed, intermediate_size) -> Eagle3Drafter:
+    def build(
+        self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int], seed: int,
+        intermediate_size: int | None,
+    ) -> Eagle3Drafter:
         s = self.settings
         cfg = DrafterConfig.from_target(
             target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size,
@@ -105,7 +108,7 @@ class Eagle3:
         )  # fmt: skip
         return build_drafter(cfg, weights, vmap, seed, train_lm_head=s.train_lm_head)
 
-    def objective(self, model, batch, targets, step) -> TTTOutput:
+    def objective(self, model: nn.Module, batch: Batch, targets: Targets, step: int | None) -> TTTOutput:
         s = self.settings
         return ttt_forward(
             model, batch.input_ids, batch.aux, batch.loss_mask, batch.lengths, targets, num_steps=s.ttt_steps,
@@ -116,7 +119,10 @@ class Eagle3:
     def aux_layer_ids(self, stored: Sequence[int]) -> list[int]:
         return list(stored)
 
-    def export(self, store, tensors, cfg, aux_layer_ids, rel) -> str:
+    def export(
+        self, store: ArtifactStore, tensors: dict[str, torch.Tensor], cfg: DrafterConfig, aux_layer_ids: list[int],
+        rel: str,
+    ) -> str:
         return export_drafter(store, tensors, cfg, aux_layer_ids=aux_layer_ids, rel=rel)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -141,7 +147,10 @@ class DFlash:
     def step_weight(self) -> float:
         return decay_weight(self.dflash.loss_decay)
 
-    def build(self, target, weights, vmap, aux_layer_ids, seed, intermediate_size) -> DFlashDrafter:
+    def build(
+        self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int], seed: int,
+        intermediate_size: int | None,
+    ) -> DFlashDrafter:
         d = self.dflash
         cfg = DFlashConfig.from_target(
             target, draft_vocab_size=len(vmap.d2t), num_aux_layers=len(self.aux_layer_ids(aux_layer_ids)),
@@ -154,7 +163,7 @@ class DFlash:
         self._columns = _aux_columns(aux_layer_ids, self.aux_layer_ids(aux_layer_ids), target.hidden_size)
         return model
 
-    def objective(self, model, batch, targets, step) -> TTTOutput:
+    def objective(self, model: nn.Module, batch: Batch, targets: Targets, step: int | None) -> TTTOutput:
         s, d = self.training, self.dflash
         # A fresh draw per optimizer step, fixed by (seed, step): a resumed run draws the anchors it would have.
         gen = None if step is None else torch.Generator().manual_seed(s.seed * 1_000_003 + step)
@@ -174,7 +183,10 @@ class DFlash:
             )
         return wanted
 
-    def export(self, store, tensors, cfg, aux_layer_ids, rel) -> str:
+    def export(
+        self, store: ArtifactStore, tensors: dict[str, torch.Tensor], cfg: DFlashConfig, aux_layer_ids: list[int],
+        rel: str,
+    ) -> str:
         return export_dflash(store, tensors, cfg, aux_layer_ids=self.aux_layer_ids(aux_layer_ids), rel=rel)
 
     def fingerprint(self) -> dict[str, Any]:
