@@ -104,7 +104,7 @@ class Plan:
         seconds = sum(c.seconds or 0 for c in costs)
         unknown = sum(1 for c in costs if c.seconds is None)
         text = (
-            f"{rows:,} rows to generate, {shards:,} shards (~{size(nbytes)}) to extract, ~{steps:,} optimizer steps; "
+            f"{rows:,} rows to generate, {shards:,} shard{'s' if shards != 1 else ''} (~{size(nbytes)}) to extract, ~{steps:,} optimizer steps; "
             f"~{duration(seconds)} measured from past runs"
         )
         return text + (f", {unknown} step(s) with {NO_PAST}" if unknown else "")
