@@ -31,7 +31,8 @@ demo: install
 	$(BIN)/python -m eagle3_assets.start
 
 # The whole graph on CONFIG (the demo without it), one run per shard; run it again to resume.
-# `make run ARGS=--list-shards` lists the shard keys and where each stands.
+# `make run ARGS=--list-shards` lists the shard keys and where each stands; `make run ARGS=--plan` says what the
+# next run would do, why, and at what cost, running nothing.
 run: install
 	$(if $(CONFIG),EAGLE3_CONFIG=$(abspath $(CONFIG))) $(BIN)/python -m eagle3_assets.start $(ARGS)
 

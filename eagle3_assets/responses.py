@@ -122,6 +122,28 @@ def part_path(index: int) -> str:
     return f"{PARTS_DIR}/part-{index:05d}.jsonl"
 
 
+def made_by(settings: Mapping[str, Any], target_version: str, code: int) -> str:
+    """What every row generated now is made from, its prompt aside: the generation settings in `responses`' provenance,
+    the target's version and the code revision."""
+    return digest({"settings": settings, "target_model": target_version, "code": code})
+
+
+@dataclass(frozen=True)
+class RowStamps:
+    """What a row is stamped with, and rendered with: enough to tell a row made before is kept, without the tokenizer
+    (`rows_to_generate`, the start command's `--plan`)."""
+
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # run-wide; a prompt's own go over them
+    made_by: str = ""  # `made_by(...)`: the target and generation settings a row is generated with
+
+    def template_kwargs(self, prompt: Prompt) -> dict[str, Any]:
+        return prompt.template_kwargs(self.chat_template_kwargs)
+
+    def stamp(self, prompt: Prompt) -> str:
+        """What a row of `prompt` generated now is made from: the settings, the target and the prompt itself."""
+        return digest([self.made_by, prompt.id, prompt.messages, self.template_kwargs(prompt), prompt.extra])
+
+
 @dataclass(frozen=True)
 class Renderer:
     """Everything that turns prompts into engine input and engine output into a record."""
@@ -131,14 +153,17 @@ class Renderer:
     stop_token_ids: set[int]
     max_seq_len: int  # a prompt this long leaves no room for an answer in a training row
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # run-wide; a prompt's own go over them
-    made_by: str = ""  # the digest of the target and generation settings a row is generated with
+    made_by: str = ""  # `made_by(...)`: the target and generation settings a row is generated with
+
+    @property
+    def stamps(self) -> RowStamps:
+        return RowStamps(self.chat_template_kwargs, self.made_by)
 
     def template_kwargs(self, prompt: Prompt) -> dict[str, Any]:
-        return prompt.template_kwargs(self.chat_template_kwargs)
+        return self.stamps.template_kwargs(prompt)
 
     def stamp(self, prompt: Prompt) -> str:
-        """What a row of `prompt` generated now is made from: the settings, the target and the prompt itself."""
-        return digest([self.made_by, prompt.id, prompt.messages, self.template_kwargs(prompt), prompt.extra])
+        return self.stamps.stamp(prompt)
 
 
 def render(prompt: Prompt, renderer: Renderer) -> list[int] | str:
@@ -185,7 +210,7 @@ def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: G
     }
 
 
-def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: Renderer) -> list[dict[str, Any]] | None:
+def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: RowStamps) -> list[dict[str, Any]] | None:
     """The part's records if it is complete and matches the prompts and their template kwargs, else None
     (it will be regenerated)."""
     if not store.exists(part_path(index)):
@@ -208,6 +233,15 @@ def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: 
     return kept + [{"error": "a prompt appended since this part was written"} for _ in chunk[len(records) :]]
 
 
+def rows_to_generate(store: ArtifactStore, prompts: list[Prompt], stamps: RowStamps, rows_per_part: int) -> int:
+    """How many of `prompts` the next `responses` generates (`generate_responses`' own rule, read only): every row its
+    part does not hold made as `stamps` would stamp it now, and every failed row."""
+    size = rows_per_part
+    parts = [_read_part(store, i, prompts[i * size : (i + 1) * size], stamps) for i in range((len(prompts) + size - 1) // size)]
+    chunks = [prompts[i * size : (i + 1) * size] for i in range(len(parts))]
+    return sum(len(c) if p is None else sum(1 for r in p if r.get("error")) for p, c in zip(parts, chunks, strict=True))
+
+
 def generate_responses(
     store: ArtifactStore,
     prompts: list[Prompt],
@@ -227,7 +261,7 @@ def generate_responses(
         if stale.startswith("part-") and int(stale[5:10]) >= num_parts:
             store.remove(f"{PARTS_DIR}/{stale}")
 
-    parts = [_read_part(store, index, prompts[index * size : (index + 1) * size], renderer) for index in range(num_parts)]
+    parts = [_read_part(store, index, prompts[index * size : (index + 1) * size], renderer.stamps) for index in range(num_parts)]
     _announce_redo(parts, log)
     done = reused = generated = failed = new_tokens = 0
     for index in range(num_parts):

@@ -25,6 +25,7 @@ time (`leases.py`).
 
     python -m eagle3_assets.start                    # start, or resume
     python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
+    python -m eagle3_assets.start --plan             # what the next start would run, why, at what cost; runs nothing
     python -m eagle3_assets.start --shard rows_0-2000 [--shard …]   # (re)extract the named shards only
 """
 
@@ -60,11 +61,13 @@ from eagle3_assets.defs.partitions import (
     registered_shard_keys,
     require_shard_keys,
 )
+from eagle3_assets.defs.plan import next_start
 from eagle3_assets.defs.provenance import Staleness, StartDoor, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.leases import Lease
+from eagle3_assets.plan import Plan
 from eagle3_assets.processes import STOP_GRACE_S, stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, DRAFTER_FAMILIES, ROOT_ENV
@@ -226,12 +229,21 @@ class GraphStart:
                 self.job = job
         self.log(f"vLLM ({role}): stopped")
 
+    @staticmethod
+    def selection(through: AssetKey) -> AssetSelection:
+        # Nothing after `through` runs: `--through hidden_states` is the whole data build, vocab map included.
+        return AssetSelection.all() - AssetSelection.assets(through).downstream(include_self=False)
+
+    def plan(self, *, through: AssetKey = DRAFTER_RELEASE) -> Plan:
+        """What `run(through=through)` would launch, in its order, why, and at what cost (`defs/plan.py`); it
+        launches, writes and sweeps nothing."""
+        return next_start(self.instance, self.project, self.defs, self.door, self.selection(through))
+
     def run(self, *, through: AssetKey = DRAFTER_RELEASE) -> bool:
         """Tick, launch what is requested, tick again, until nothing more is; False when a run failed or something
         in the graph up to `through` is left unmade (each is named)."""
         self.log(f"{len(sweep_dead_runs(self.instance))} run(s) of dead processes failed and their slots freed")
-        # Nothing after `through` runs: `--through hidden_states` is the whole data build, vocab map included.
-        selection = AssetSelection.all() - AssetSelection.assets(through).downstream(include_self=False)
+        selection = self.selection(through)
         rolling = self.project.settings.training.rolling
         tried: set[Request] = set()
         failed: list[str] = []
@@ -348,6 +360,12 @@ def _parser() -> argparse.ArgumentParser:
         "run it again to resume. Settings from $EAGLE3_CONFIG (the demo without it), artifacts under $EAGLE3_ROOT.",
     )
     parser.add_argument("--list-shards", action="store_true", help="print every shard key and its state, then exit")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what the start would run (with --from/--through as given), why, and at what cost, then exit; "
+        "runs, writes and locks nothing",
+    )
     parser.add_argument("--shard", action="append", default=[], metavar="KEY", help="(re)extract only this shard")
     parser.add_argument("--through", default=DRAFTER_RELEASE.to_user_string(), metavar="ASSET", help="stop after this asset")
     parser.add_argument("--from", dest="redo_from", metavar="ASSET", help="redo ASSET and everything after it")
@@ -361,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("DAGSTER_HOME is not set: finished work would be forgotten and redone", file=sys.stderr)
         return 2
     whole_graph = not (args.shard or args.list_shards)
+    if args.plan and not whole_graph:
+        print("--plan plans the whole graph: not with --shard or --list-shards", file=sys.stderr)
+        return 2
     try:
         project = Project.from_environment()
         if AssetKey(args.through) in EVALUATED and whole_graph:
@@ -372,7 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (the rolling loop asks for that) and takes no lease. The lease comes first, before anything opens
     # $DAGSTER_HOME (loading the definitions does: the code location's pool check): two commands opening a fresh
     # one at once race to create its tables, and the second must only refuse, touching nothing.
-    lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if whole_graph else nullcontext()
+    # `--plan` only reads: it takes no lease, and plans beside a running start (what that one runs is in its log).
+    leased = whole_graph and not args.plan
+    lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if leased else nullcontext()
     began = time.monotonic()
     try:
         # The signals first: a stop while the lease settles leaves no lease file and ends as any stop does.
@@ -398,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.list_shards:
                     for key, state in shard_states(instance, start.project).items():
                         print(f"{key}\t{state}")
+                    return 0
+                if args.plan:
+                    print("\n".join(start.plan(through=AssetKey(args.through)).lines()))
                     return 0
                 ok = start.run_shards(args.shard) if args.shard else start.run(through=AssetKey(args.through))
     except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command

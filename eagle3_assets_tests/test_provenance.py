@@ -220,3 +220,81 @@ class Daemon:
                         instance=self.instance, asset_selection=[AssetKey(key)], partition_key=partition
                     ).success
         raise AssertionError(f"the sensors never settled: {seen}")
+
+
+# --- `--plan`: what the next start runs, said before it runs ---------------------------------------------------
+
+
+def files(*roots: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `roots`, with its size and modification time."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for r in roots for p in sorted(r.rglob("*")) if p.is_file()}
+
+
+def plan_steps(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("  ")]
+
+
+def launched(out: str) -> list[str]:
+    """What a start command launched, in order: each `: starting` line's assets (one run may hold several)."""
+    lines = [line.removeprefix("[start] ") for line in out.splitlines() if line.startswith("[start] ")]
+    return [label for line in lines if ": starting" in line for label in line.split(": starting")[0].split(",")]
+
+
+def test_the_plan_lists_what_the_next_start_then_runs_with_its_cost_and_changes_nothing(made_graph):
+    """`--plan` after a change: each asset and shard the next start runs, in its order, with the change that makes it
+    run and its cost measured from the graph's own past runs; the store and the instance are left as they were. The
+    start that follows launches exactly that, and the figures hold."""
+    from eagle3_assets.figures import size
+    from eagle3_assets.settings import ExtractionSettings
+
+    op, prompts, base, train, _ = made_graph()
+    plan = ["--plan", "--through", "drafter"]
+    assert op.start(*plan).stdout.splitlines() == [
+        "plan: nothing to run: everything is made as the current settings and inputs would make it"
+    ]
+    with op.instance() as instance:
+        shards = [r.asset_materialization.metadata for r in instance.fetch_materializations(AssetKey("hidden_states"), limit=9).records]
+    per_row = sum(m["bytes"].value for m in shards) / sum(m["rows_total"].value for m in shards)
+
+    dtype = ExtractionSettings(batch_tokens=2048, progress_interval_s=0.01, storage_dtype="float16")
+    Path(op.env["EAGLE3_CONFIG"]).write_text(tiny_settings(**base, draft_vocab_size=32, extraction=dtype).model_dump_json())
+    before = files(op.root, op.home)
+    planned = op.start(*plan)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert files(op.root, op.home) == before  # no run, no record, no lease, no log
+    steps = plan_steps(planned.stdout)
+    dtype_changed = 'made from other inputs: setting extraction.storage_dtype: "bfloat16" -> "float16"'
+    want = [
+        "  vocab_map: redo (made from other inputs: setting draft_vocab_size: 64 -> 32); ",
+        f"  hidden_states[rows_0-20]: redo ({dtype_changed}); ~{size(per_row * 20)} to write, ",
+        f"  hidden_states[rows_20-40]: redo ({dtype_changed}); ~{size(per_row * 20)} to write, ",
+        f"  drafter: redo ({dtype_changed}); ~3 optimizer steps, ",
+    ]
+    assert len(steps) == len(want) and all(s.startswith(w) for s, w in zip(steps, want, strict=True)), steps
+    assert all("no past run" not in s for s in steps)  # every cost measured from the graph's first build
+    assert "20 rows; 15.5 KiB per row over 40 past rows" in steps[1]
+    assert "its last run's 3 steps; " in steps[3]
+    assert planned.stdout.splitlines()[-1].startswith(
+        f"total: 0 rows to generate, 2 shards (~{size(per_row * 40)}) to extract, ~3 optimizer steps; ~"
+    )
+
+    done = op.start("--through", "drafter")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert launched(done.stdout) == [s.split(": ")[0].strip() for s in steps]
+    with op.instance() as instance:
+        made = instance.fetch_materializations(AssetKey("hidden_states"), limit=2).records
+        assert all(abs(r.asset_materialization.metadata["bytes"].value - per_row * 20) < 0.01 * per_row * 20 for r in made)
+        drafter = instance.get_latest_materialization_event(AssetKey("drafter")).asset_materialization.metadata
+        assert drafter["total_steps"].value == 3
+
+    # Five prompts appended: the rows to generate are the new prompts' alone, counted from the rows' own stamps.
+    with prompts.open("a") as f:
+        f.write("".join(json.dumps(p) + "\n" for p in train[40:45]))
+    steps = plan_steps(op.start(*plan).stdout)
+    assert [s.split(": ")[0].strip() for s in steps] == [
+        "prompts", "responses", "tokenized", "token_freq", "hidden_states[…]", "vocab_map", "drafter",
+    ]  # fmt: skip
+    assert steps[0].startswith("  prompts: redo (made from other inputs: input prompts file: ")
+    assert steps[1].startswith("  responses: redo (input prompts is made again); 5 rows to generate, ~")
+    assert "(of 45 prompts; " in steps[1]
+    assert steps[4].startswith("  hidden_states[…]: redo (the shards tokenized cuts with other rows, and new ones: ")

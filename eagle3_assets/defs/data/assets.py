@@ -33,7 +33,7 @@ from eagle3_assets.prompts import (
     parse_prompts,
 )
 from eagle3_assets.reasoning import detect_format
-from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, read_responses
+from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, made_by, read_responses
 from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version
 from eagle3_assets.shards import Shard, plan_shards
@@ -196,7 +196,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             settings.max_seq_len,
             settings.generation.chat_template_kwargs,
             # Rows are reused by what made them, the prompt set aside: appended prompts keep the others.
-            made_by=digest({"settings": want.settings, "target_model": want.inputs["target_model"], "code": want.code}),
+            made_by=made_by(want.settings, want.inputs["target_model"], want.code),
         )
         check_template_kwargs(tokenizer, rows, settings.generation.chat_template_kwargs)  # before the model loads
         generator = open_generator(target, settings.generation, settings.vllm)
