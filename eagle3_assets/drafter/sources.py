@@ -92,7 +92,10 @@ def continued_data(
             rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
         )  # fmt: skip
 
-    scratch = settings.steps or loader([*old_train, *new]).total_steps(settings.epochs)
+    # As a from-scratch run would train: every sample, less the rows it would hold out of all of them.
+    every = [*old, *new]
+    scratch_train = split_heldout(every, settings.heldout_rows, settings.seed)[0] if settings.heldout_rows else every
+    scratch = settings.steps or loader(scratch_train).total_steps(settings.epochs)
     steps = max(1, math.ceil(settings.continue_fraction * scratch))
     return fmt, loader([*replay, *new]), held, ContinuedData(len(new), len(replay), steps, scratch)
 

@@ -523,6 +523,11 @@ def _announce(run: _Run, log: LogFn) -> None:
             f"drafter: {continued_line(c)} (training.continue_fraction {run.settings.continue_fraction:g} of the "
             f"{c.scratch_steps} steps a from-scratch run would take)"
         )
+        if c.steps < (one_pass := run.loader.steps_in_epoch(0)):
+            log(
+                f"drafter: {c.steps} steps are less than one pass over the new and replayed rows ({one_pass} steps): "
+                "some new rows go untrained; raise training.continue_fraction, or lower training.replay_rows"
+            )
     log(
         f"drafter: {len(run.loader.samples)} training samples ({n_tokens} tokens), {len(run.heldout)} held out; "
         f"{run.total_steps} steps on {run.device} x{run.env.world_size}; aux layers {list(run.fmt.aux_layer_ids)}"
