@@ -91,7 +91,9 @@ def continuation_plan(
     if release is None:
         return scratch("nothing is released")
     if released_on is None:
-        return scratch(f"the release has no {TRAINED_ON_FILE} (released before exports recorded what they were trained on)")
+        return scratch(
+            f"the release has no {TRAINED_ON_FILE} (released before exports recorded what they were trained on)"
+        )
     if released_on.get("family") != now["family"]:
         return scratch(f"family: release {released_on.get('family')!r}, now {now['family']!r}")
     for name in ("target", "vocab_map"):

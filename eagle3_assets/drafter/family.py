@@ -12,11 +12,10 @@ history stay), DFlash under `families/dflash/`, with the same layout inside.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import io
 
 import torch
 from safetensors.torch import load as st_load

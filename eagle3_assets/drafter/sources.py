@@ -83,7 +83,9 @@ def continued_data(
             f"the new shards hold hidden size {new_fmt.hidden_size}, aux layers {list(new_fmt.aux_layer_ids)}; the "
             f"released drafter's {fmt.hidden_size}, {list(fmt.aux_layer_ids)}: extracted with different settings"
         )
-    old_train, held = (old, []) if not settings.heldout_rows else split_heldout(old, settings.heldout_rows, settings.seed)
+    old_train, held = (old, [])
+    if settings.heldout_rows:
+        old_train, held = split_heldout(old, settings.heldout_rows, settings.seed)
     replay = replay_sample(old_train, len(new) if settings.replay_rows is None else settings.replay_rows, settings.seed)
 
     def loader(samples: Sequence[SampleRef]) -> BatchLoader:

@@ -36,6 +36,7 @@ from eagle3_assets.drafter.checkpoint import (
     read_checkpoint_state,
     save_checkpoint,
 )
+from eagle3_assets.drafter.continuation import ContinuationPlan
 from eagle3_assets.drafter.data import (
     Batch,
     BatchLoader,
@@ -62,6 +63,7 @@ from eagle3_assets.drafter.fingerprint import (
 )
 from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
 from eagle3_assets.drafter.selection import (
     Evaluation,
@@ -69,8 +71,6 @@ from eagle3_assets.drafter.selection import (
     save_best,
     stops_early,
 )
-from eagle3_assets.drafter.continuation import ContinuationPlan
-from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.sources import ContinuedData, ShardEventCallback, continued_data, offline_data, rolling_data
 from eagle3_assets.drafter.target_head import (
     TargetHead,
