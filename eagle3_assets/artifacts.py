@@ -31,7 +31,11 @@ TRAINING_HOW = (
 # And those a checkpoint may still be resumed under, though the export may differ (which checkpoint is
 # exported, when evaluation and early stop look): left out of a run's fingerprint (`drafter/train.py`), not
 # out of the drafter's provenance.
-TRAINING_VOLATILE = (*TRAINING_HOW, "eval_every", "export_checkpoint", "early_stop_evals")
+# `replay_rows` and `continue_fraction` shape a continuation only: its fingerprint records what they decided (the
+# replayed rows, the steps), so a from-scratch checkpoint stays resumable when they change.
+TRAINING_VOLATILE = (
+    *TRAINING_HOW, "eval_every", "export_checkpoint", "early_stop_evals", "replay_rows", "continue_fraction"
+)  # fmt: skip
 # How any engine is served: where, on what, with which limits; and how the target is opened (every asset that
 # reads the target resolves it: `Project.target()`). Where these determine content they are in `reads` (the
 # target's own, the shards') and reach the rest through the `target_model` parent, except the vLLM settings that
@@ -47,7 +51,12 @@ VLLM_EXTRACTION = ("vllm.dtype", "vllm.extra_args")
 # Fields recorded only since a later version, with the value every artifact made before had: a field at that value is
 # left out of the provenance (`provenance.settings_read`), so an upgrade leaves a store made with it current, and a
 # record holding it at another value names it ("setting vllm.dtype: (unset) -> \"float32\"").
-RECORDED_SINCE: dict[str, object] = {"vllm.dtype": "auto", "vllm.extra_args": [], "vllm.max_model_len": None}
+# The continuation settings (issue 45) are left out at their defaults too: a store's vocab map is the fresh map of its
+# counts, which the default margin keeps, and a drafter trained before continued from nothing.
+RECORDED_SINCE: dict[str, object] = {
+    "vllm.dtype": "auto", "vllm.extra_args": [], "vllm.max_model_len": None, "vocab_map_keep_margin": 0.005,
+    "training.replay_rows": None, "training.continue_fraction": 0.25,
+}  # fmt: skip
 
 
 # The EAGLE-3 recipe in `training`: the other families do not read these (`dflash` has its own section).
@@ -158,7 +167,7 @@ ARTIFACTS: dict[str, Artifact] = {
             deps_apart={"target_model": "the tokenizer is the one `responses` recorded its rows with"},
         ),
         Artifact("token_freq", lambda _: (), parents=("tokenized", "target_model")),
-        Artifact("vocab_map", lambda _: ("draft_vocab_size",), parents=("token_freq",)),
+        Artifact("vocab_map", lambda _: ("draft_vocab_size", "vocab_map_keep_margin"), parents=("token_freq",)),
         Artifact(
             "hidden_states",
             _hidden_states,

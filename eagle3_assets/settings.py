@@ -207,6 +207,15 @@ class TrainingSettings(_Section):
     sample_ledger: bool = Field(
         False, description="record every trained sample's row and step in each checkpoint (an audit of exactly-once)"
     )
+    # Continuing the released drafter on appended rows (docs/DESIGN.md §5, `drafter/continuation.py`).
+    replay_rows: int | None = Field(
+        None, ge=0, description="continuing: old rows replayed beside the new ones (seeded, never a held-out row); "
+        "None = as many as the new rows",
+    )  # fmt: skip
+    continue_fraction: float = Field(
+        0.25, gt=0.0, le=1.0, description="continuing: the optimizer steps of a continuation, as a share of the "
+        "steps a from-scratch run on all rows would take",
+    )  # fmt: skip
 
     @property
     def rolling(self) -> bool:
@@ -401,6 +410,14 @@ class Settings(_Section):
         None, description="aux layers, 'input of layer i' ids; default [2, N//2, N-3]"
     )
     draft_vocab_size: int = Field(32000, ge=1)
+    # Appends move token counts a little; a recomputed map would then move draft ids under a trained head, and a
+    # drafter is never continued on a map it was not trained with (docs/DESIGN.md §3). 0.005: a token outside the
+    # draft vocab is never drafted, so a kept map costs at most this share of positions' acceptance (below the 1%
+    # a continued drafter may serve under a fresh one), while appends of a few % of rows move coverage by less.
+    vocab_map_keep_margin: float = Field(
+        0.005, ge=0.0, le=1.0, description="keep the previous vocab map while its coverage of the loss tokens is "
+        "within this of a freshly computed map's (0 = recompute whenever a fresh map covers more)",
+    )  # fmt: skip
     max_seq_len: int = Field(4096, ge=8, description="tokens per conversation row")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="what to do with rows over max_seq_len")
     unfinished_responses: Literal["keep", "drop"] = Field(

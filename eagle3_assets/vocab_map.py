@@ -122,3 +122,41 @@ def vocab_map_problems(vmap: VocabMap, *, draft_vocab_size: int, target_vocab_si
     if targets.size and (targets[0] < 0 or targets[-1] >= target_vocab_size):
         problems.append(f"d2t maps outside the target vocabulary [0, {target_vocab_size})")
     return problems
+
+
+def coverage(vmap: VocabMap, freq: np.ndarray) -> float:
+    """The share of loss-masked tokens (`freq`) the map's draft vocab holds: an upper bound on what it can draft."""
+    total = int(freq.sum())
+    return int(freq[vmap.t2d].sum()) / total if total else 1.0
+
+
+def sticky_vocab_map(
+    previous: VocabMap | None, freq: np.ndarray, draft_vocab_size: int, keep_margin: float
+) -> tuple[VocabMap, str]:
+    """(the map, what was done and why): the previous map while its coverage of `freq` is within `keep_margin` of a
+    freshly computed map's, else the fresh one (`build_vocab_map`).
+
+    Appended rows move token counts a little; a recomputed map would move draft ids under a trained head, and a
+    drafter is continued only on the map it was trained with. Keeping equal content keeps the data version (it is
+    the content's digest), so nothing downstream is redone for it."""
+    fresh = build_vocab_map(freq, draft_vocab_size)
+    fresh_cov = coverage(fresh, freq)
+    if previous is None:
+        return fresh, f"computed: no previous map (coverage {fresh_cov:.6f})"
+    if previous.d2t.shape != (draft_vocab_size,) or previous.t2d.shape != freq.shape:
+        return fresh, (
+            f"recomputed: the previous map is {len(previous.d2t)} of {len(previous.t2d)} ids, now {draft_vocab_size} "
+            f"of {len(freq)} (coverage {fresh_cov:.6f})"
+        )
+    kept_cov = coverage(previous, freq)
+    if np.array_equal(previous.t2d, fresh.t2d):
+        return fresh, f"unchanged: a fresh map is the previous one (coverage {fresh_cov:.6f})"
+    if fresh_cov - kept_cov <= keep_margin:
+        return previous, (
+            f"kept the previous map: it covers {kept_cov:.6f} of the loss tokens, a fresh map {fresh_cov:.6f} "
+            f"(within vocab_map_keep_margin {keep_margin:g})"
+        )
+    return fresh, (
+        f"recomputed: the previous map covers {kept_cov:.6f} of the loss tokens, a fresh map {fresh_cov:.6f} "
+        f"(more than vocab_map_keep_margin {keep_margin:g} better)"
+    )

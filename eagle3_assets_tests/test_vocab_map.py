@@ -1,7 +1,13 @@
 import numpy as np
 import pytest
 
-from eagle3_assets.vocab_map import VocabMap, build_vocab_map, token_frequencies, vocab_map_problems
+from eagle3_assets.vocab_map import (
+    VocabMap,
+    build_vocab_map,
+    sticky_vocab_map,
+    token_frequencies,
+    vocab_map_problems,
+)
 
 
 def test_token_frequencies_count_only_loss_masked_positions():
@@ -86,3 +92,33 @@ def test_a_corrupt_token_freq_file_is_a_refusal_naming_the_file(tmp_path):
     with pytest.raises(VocabMapError, match=r"token_freq/token_freq.safetensors: not a readable safetensors file .*re-materialize token_freq") as e:
         load_token_frequencies(store)
     assert isinstance(e.value, Refusal) and str(tmp_path) in str(e.value)
+
+
+#                       id: 0     1  2     3     4  5     6  7     8     9
+BEFORE = np.array([0, 9000, 0, 4000, 7000, 0, 2000, 0, 8000, 1000], dtype=np.int64)
+
+
+def test_an_append_that_barely_moves_the_counts_keeps_the_map_a_big_change_recomputes_it():
+    previous = build_vocab_map(BEFORE, 4)  # ids 1, 3, 4, 8
+    # Appended rows lift id 6 just past id 3: a fresh map would swap them, moving draft ids under a trained head.
+    small = BEFORE + np.array([0, 0, 0, 0, 0, 0, 2050, 0, 0, 0])
+    assert np.flatnonzero(build_vocab_map(small, 4).t2d).tolist() == [1, 4, 6, 8]
+    kept, how = sticky_vocab_map(previous, small, 4, 0.005)
+    assert kept is previous
+    assert how == (
+        "kept the previous map: it covers 0.847201 of the loss tokens, a fresh map 0.848714 "
+        "(within vocab_map_keep_margin 0.005)"
+    )
+    big = BEFORE + np.array([0, 0, 0, 0, 0, 0, 10000, 0, 0, 0])
+    fresh, how = sticky_vocab_map(previous, big, 4, 0.005)
+    assert np.flatnonzero(fresh.t2d).tolist() == [1, 4, 6, 8]
+    assert how == (
+        "recomputed: the previous map covers 0.682927 of the loss tokens, a fresh map 0.878049 "
+        "(more than vocab_map_keep_margin 0.005 better)"
+    )
+    # A margin of 0 recomputes whenever a fresh map covers more; the first map and a resized one are computed.
+    assert np.flatnonzero(sticky_vocab_map(previous, small, 4, 0.0)[0].t2d).tolist() == [1, 4, 6, 8]
+    assert sticky_vocab_map(None, BEFORE, 4, 0.005)[1] == "computed: no previous map (coverage 0.903226)"
+    assert sticky_vocab_map(previous, BEFORE, 3, 0.005)[1] == (
+        "recomputed: the previous map is 4 of 10 ids, now 3 of 10 (coverage 0.774194)"
+    )

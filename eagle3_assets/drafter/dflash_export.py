@@ -24,6 +24,7 @@ from eagle3_assets.drafter.export import (
     publish_export,
     rope_scaling,
     tensor_problems,
+    trained_on_writer,
 )
 from eagle3_assets.storage import ArtifactStore
 
@@ -121,8 +122,10 @@ def export_dflash(
     rel: str,
     dtype: str = "bfloat16",
     max_position_embeddings: int | None = None,
+    trained_on: dict[str, Any] | None = None,
 ) -> str:
-    """Check `tensors` (`DFlashDrafter.trainable_state_dict()`), then publish `rel`/ in one step; returns its URL."""
+    """Check `tensors` (`DFlashDrafter.trainable_state_dict()`), then publish `rel`/ in one step (with
+    `trained_on.json` when given); returns its URL."""
     tensors = dict(tensors)
     mask_embedding = tensors.pop("mask_embedding", None)
     if mask_embedding is None or tuple(mask_embedding.shape) != (cfg.hidden_size,):
@@ -144,12 +147,16 @@ def export_dflash(
         max_position_embeddings=max_position_embeddings,
     )
 
+    write_trained_on = trained_on_writer(trained_on)
+
     def write_mask_embedding(directory: Path) -> None:
         embedding = mask_embedding.detach().float().cpu().contiguous()
         torch.save(
             {"mask_token_id": cfg.mask_token_id, "embedding": embedding},
             directory / MASK_EMBEDDING_FILE,
         )
+        if write_trained_on is not None:
+            write_trained_on(directory)
 
     return publish_export(store, rel, tensors, config, dtype, write_extra=write_mask_embedding)
 

@@ -25,6 +25,8 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
 EXPORT_DIR = "drafter/export"
+# What the export was trained on (`continuation.py`), published with it and copied into the release.
+TRAINED_ON_FILE = "trained_on.json"
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -160,14 +162,27 @@ def export_drafter(
     dtype: str = "bfloat16",
     max_position_embeddings: int | None = None,
     rel: str = EXPORT_DIR,
+    trained_on: dict[str, Any] | None = None,
 ) -> str:
-    """Check `tensors` (e.g. `model.trainable_state_dict()`), then publish `rel`/ atomically; returns its URL."""
+    """Check `tensors` (e.g. `model.trainable_state_dict()`), then publish `rel`/ atomically, with `trained_on.json`
+    when given; returns its URL."""
     if dtype not in _DTYPES:
         raise ExportError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     full_vocab = cfg.draft_vocab_size == cfg.vocab_size
     tensors = checked_tensors(store, rel, tensors, expected_export_tensors(cfg), full_vocab=full_vocab)
     config = export_config(cfg, aux_layer_ids=aux_layer_ids, dtype=dtype, max_position_embeddings=max_position_embeddings)
-    return publish_export(store, rel, tensors, config, dtype)
+    return publish_export(store, rel, tensors, config, dtype, write_extra=trained_on_writer(trained_on))
+
+
+def trained_on_writer(trained_on: dict[str, Any] | None) -> Callable[[Path], None] | None:
+    """A `write_extra` that puts `trained_on.json` in the export directory (None: nothing to write)."""
+    if trained_on is None:
+        return None
+
+    def write(directory: Path) -> None:
+        (directory / TRAINED_ON_FILE).write_text(json.dumps(trained_on, indent=2) + "\n")
+
+    return write
 
 
 def checked_tensors(

@@ -12,15 +12,17 @@ history stay), DFlash under `families/dflash/`, with the same layout inside.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from safetensors.torch import load as st_load
 from torch import nn
 
 from eagle3_assets.drafter.data import Batch
-from eagle3_assets.drafter.dflash_export import export_dflash
+from eagle3_assets.drafter.dflash_export import MASK_EMBEDDING_FILE, export_dflash
 from eagle3_assets.drafter.dflash_loss import decay_weight, dflash_forward
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
 from eagle3_assets.drafter.errors import TrainingError
@@ -57,7 +59,11 @@ class Family(Protocol):
         ...
 
     def export(self, store: ArtifactStore, tensors: dict[str, torch.Tensor], cfg: Any, aux_layer_ids: list[int],
-               rel: str) -> str: ...  # fmt: skip
+               rel: str, trained_on: dict[str, Any] | None = None) -> str: ...  # fmt: skip
+
+    def warm_start(self, model: nn.Module, store: ArtifactStore, rel: str) -> None:
+        """Load an export of this family (`rel` in `store`: the release) into `model`, as float32."""
+        ...
 
     def fingerprint(self) -> dict[str, Any]:
         """The family's own settings, part of what a checkpoint must agree on to be resumed."""
@@ -121,9 +127,13 @@ class Eagle3:
 
     def export(
         self, store: ArtifactStore, tensors: dict[str, torch.Tensor], cfg: DrafterConfig, aux_layer_ids: list[int],
-        rel: str,
+        rel: str, trained_on: dict[str, Any] | None = None,
     ) -> str:
-        return export_drafter(store, tensors, cfg, aux_layer_ids=aux_layer_ids, rel=rel)
+        return export_drafter(store, tensors, cfg, aux_layer_ids=aux_layer_ids, rel=rel, trained_on=trained_on)
+
+    def warm_start(self, model: nn.Module, store: ArtifactStore, rel: str) -> None:
+        # The export's names are `trainable_state_dict`'s, less `d2t` when the draft vocab is the full vocab.
+        load_export_weights(model, st_load(store.read_bytes(f"{rel}/model.safetensors")), store.url_of(rel))
 
     def fingerprint(self) -> dict[str, Any]:
         return {}  # its settings are the training settings themselves (`fingerprint.run_fingerprint`)
@@ -185,12 +195,43 @@ class DFlash:
 
     def export(
         self, store: ArtifactStore, tensors: dict[str, torch.Tensor], cfg: DFlashConfig, aux_layer_ids: list[int],
-        rel: str,
+        rel: str, trained_on: dict[str, Any] | None = None,
     ) -> str:
-        return export_dflash(store, tensors, cfg, aux_layer_ids=self.aux_layer_ids(aux_layer_ids), rel=rel)
+        return export_dflash(
+            store, tensors, cfg, aux_layer_ids=self.aux_layer_ids(aux_layer_ids), rel=rel, trained_on=trained_on
+        )
+
+    def warm_start(self, model: nn.Module, store: ArtifactStore, rel: str) -> None:
+        tensors = st_load(store.read_bytes(f"{rel}/model.safetensors"))
+        # The mask embedding ships beside the weights, in the one file vLLM reads it from.
+        mask = torch.load(io.BytesIO(store.read_bytes(f"{rel}/{MASK_EMBEDDING_FILE}")), weights_only=True)
+        tensors["mask_embedding"] = mask["embedding"]
+        load_export_weights(model, tensors, store.url_of(rel))
 
     def fingerprint(self) -> dict[str, Any]:
         return {"dflash": self.dflash.model_dump(), "mask_token_id": self.mask_token_id}
+
+
+def load_export_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copy an export's tensors into `model` (float32, the training dtype), refusing one that does not fit: other
+    names or shapes, or another vocab map (a head is never continued on a map it was not trained with)."""
+    own = model.trainable_state_dict()
+    tensors = dict(tensors)
+    if "d2t" in own and "d2t" not in tensors:  # left out of an export whose draft vocab is the full vocab
+        tensors["d2t"] = torch.zeros_like(own["d2t"])
+    problems = [f"missing tensor {n}" for n in own if n not in tensors]
+    problems += [f"unexpected tensor {n}" for n in sorted(tensors) if n not in own]
+    problems += [
+        f"tensor {n} is {list(t.shape)}, the model's {list(own[n].shape)}"
+        for n, t in tensors.items() if n in own and t.shape != own[n].shape
+    ]  # fmt: skip
+    problems += [f"{n} differs: another vocab map" for n in ("d2t", "t2d") if n in own and not problems
+                 and not torch.equal(tensors[n].to(own[n].dtype), own[n].cpu())]  # fmt: skip
+    if problems:
+        raise TrainingError(f"cannot continue from {where}: " + "; ".join(problems))
+    with torch.no_grad():
+        for n, t in own.items():
+            t.copy_(tensors[n].to(device=t.device, dtype=t.dtype))
 
 
 def _aux_columns(stored: Sequence[int], wanted: Sequence[int], hidden: int) -> torch.Tensor:

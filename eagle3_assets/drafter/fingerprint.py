@@ -20,15 +20,19 @@ def run_fingerprint(
     total_steps: int,
     inputs: Mapping[str, str] | None = None,
     family: Mapping[str, Any] | None = None,
+    continued_from: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed: the data plan, the schedule, the versions of the data
     (`inputs`: the target, tokenized rows and vocab map it trains on, docs/DESIGN.md §9) and the family's own
-    settings (`Family.fingerprint`; none for EAGLE-3, whose recipe is the training settings)."""
+    settings (`Family.fingerprint`; none for EAGLE-3, whose recipe is the training settings). A continuation
+    (`continuation.py`) adds the release it started from and its replay: a killed one resumes, and neither a
+    from-scratch checkpoint nor one continued from another release is taken for it."""
     s = settings.model_dump()
     for volatile in TRAINING_VOLATILE:
         s.pop(volatile)
     return {
         **({"family": dict(family)} if family else {}),
+        **({"continued_from": dict(continued_from)} if continued_from else {}),
         "inputs": dict(inputs or {}),
         "settings": s,
         "shards": list(shard_keys),

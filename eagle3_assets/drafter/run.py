@@ -3,7 +3,9 @@
 Training resumes from the newest checkpoint; once it reaches its last step (or stops early),
 rank 0 exports the drafter (checked against what engines load, `export.py`): the evaluated
 weights with the best acceptance estimate, or the last step's (`training.export_checkpoint`).
-It writes `drafter/metrics.json`, the figures `drafter_eval` reports beside its own.
+It writes `drafter/metrics.json`, the figures `drafter_eval` reports beside its own, and puts `trained_on.json` in
+the export. When the inputs differ from the release's only by added shards, it continues the released drafter
+instead of starting from zero (`continuation.py`); the summary says which it did (`trained`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import torch
 
 from eagle3_assets.artifacts import drafter_artifact
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
+from eagle3_assets.drafter.continuation import continuation_plan, model_loss_settings, read_release, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import family_of
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
-from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
+from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, continued_line, train_drafter
 from eagle3_assets.provenance import Inputs, expected
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -54,19 +57,31 @@ def train_and_export(
     """Train `family`'s drafter on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each
     as it passes its check), then export once finished, into the family's directory (`Family.root`)."""
     # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
-    want = expected(drafter_artifact(family), Inputs(settings, store))
+    versions = Inputs(settings, store)
+    want = expected(drafter_artifact(family), versions)
     # The data's versions and the extraction settings the shards were made with: none is in the run's settings.
     extracted = {k: json.dumps(want.settings[k]) for k in ("aux_layer_ids", "extraction.storage_dtype", "shard_size")}
     inputs = {**want.inputs, **extracted}
     trained = family_of(family, settings, target)
+    # What this run trains on, against what the release was trained on: continue it, or from scratch and why.
+    now = trained_on(
+        family=family, target=want.inputs["target_model"], vocab_map=want.inputs["vocab_map"],
+        settings=model_loss_settings(settings, family, trained.fingerprint()),
+        shards={k: versions.shard_rows(k) for k in shard_keys},
+    )  # fmt: skip
+    plan = continuation_plan(*read_release(store), now, rolling=settings.training.rolling)
+    if not plan.continues and DistEnv.from_environ().is_main:
+        log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
         on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
-        family=trained,
+        family=trained, continuation=plan if plan.continues else None,
     )  # fmt: skip
     out = store.child(trained.root)
     best = result.best
     summary = {
+        "trained": continued_line(result.continued) if result.continued else f"from scratch: {plan.reason}",
+        "continued_from": result.continued.release_sha256 if result.continued else "",
         "step": result.step,
         "total_steps": result.total_steps,
         "resumed_from": result.resumed_from if result.resumed_from is not None else -1,
@@ -78,7 +93,8 @@ def train_and_export(
     url = None
     if result.finished and DistEnv.from_environ().is_main:
         tensors, summary["exported_step"] = export_choice(out, result, settings.training.export_checkpoint, log)
-        url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR)
+        record = {**now, "continued_from": summary["continued_from"] or None}
+        url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
 

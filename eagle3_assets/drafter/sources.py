@@ -4,7 +4,11 @@ rows."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from eagle3_assets.drafter.data import (
     BatchLoader,
@@ -40,6 +44,62 @@ def offline_data(
         rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
     )  # fmt: skip
     return fmt, loader, held
+
+
+@dataclass(frozen=True)
+class ContinuedData:
+    """What a continuation trains on (`continued_data`)."""
+
+    new_rows: int  # samples of the new shards, all trained
+    replayed: int  # old training samples drawn to train beside them
+    steps: int  # training.continue_fraction of `scratch_steps`
+    scratch_steps: int  # the steps a from-scratch run on all rows would take
+    release_sha256: str = ""  # the released export it started from (`model.safetensors`)
+
+
+def replay_sample(old: Sequence[SampleRef], n: int, seed: int) -> list[SampleRef]:
+    """`n` of the old training samples (all when fewer), drawn with `seed`, in index order."""
+    if n >= len(old):
+        return list(old)
+    pick = np.sort(np.random.default_rng([seed, 0x5E9A7]).permutation(len(old))[:n])
+    return [old[i] for i in pick.tolist()]
+
+
+def continued_data(
+    store: ArtifactStore, old_shards: Sequence[str], new_shards: Sequence[str], settings: TrainingSettings,
+    env: DistEnv, data_workers: int,
+) -> tuple[SampleFormat, BatchLoader, list[SampleRef], ContinuedData]:  # fmt: skip
+    """Continuing the release: the new shards' samples plus a replay sample of the old ones.
+
+    The held-out rows are the release's own: drawn as it drew them, from the old shards alone (unchanged, or there
+    would be no continuation), so no row the release trained on is held out and none held out is replayed. The step
+    budget is `continue_fraction` of what a from-scratch run on all rows would take (`training.steps`, or
+    `training.epochs` over every training sample)."""
+    require_complete_shards(store, [*old_shards, *new_shards])
+    old, fmt = index_samples(store, old_shards)
+    new, new_fmt = index_samples(store, new_shards)
+    if (new_fmt.hidden_size, new_fmt.aux_layer_ids) != (fmt.hidden_size, fmt.aux_layer_ids):
+        raise DataError(
+            f"the new shards hold hidden size {new_fmt.hidden_size}, aux layers {list(new_fmt.aux_layer_ids)}; the "
+            f"released drafter's {fmt.hidden_size}, {list(fmt.aux_layer_ids)}: extracted with different settings"
+        )
+    old_train, held = (old, [])
+    if settings.heldout_rows:
+        old_train, held = split_heldout(old, settings.heldout_rows, settings.seed)
+    replay = replay_sample(old_train, len(new) if settings.replay_rows is None else settings.replay_rows, settings.seed)
+
+    def loader(samples: Sequence[SampleRef]) -> BatchLoader:
+        return BatchLoader(
+            store, samples, batch_tokens=settings.batch_tokens, seed=settings.seed,
+            rank=env.rank, world_size=env.world_size, order=settings.batch_order, workers=data_workers,
+        )  # fmt: skip
+
+    # As a from-scratch run would train: every sample, less the rows it would hold out of all of them.
+    every = [*old, *new]
+    scratch_train = split_heldout(every, settings.heldout_rows, settings.seed)[0] if settings.heldout_rows else every
+    scratch = settings.steps or loader(scratch_train).total_steps(settings.epochs)
+    steps = max(1, math.ceil(settings.continue_fraction * scratch))
+    return fmt, loader([*replay, *new]), held, ContinuedData(len(new), len(replay), steps, scratch)
 
 
 def rolling_data(

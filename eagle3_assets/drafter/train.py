@@ -18,7 +18,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from eagle3_assets.drafter.checkpoint import (
     read_checkpoint_state,
     save_checkpoint,
 )
+from eagle3_assets.drafter.continuation import ContinuationPlan
 from eagle3_assets.drafter.data import (
     Batch,
     BatchLoader,
@@ -62,6 +63,7 @@ from eagle3_assets.drafter.fingerprint import (
 )
 from eagle3_assets.drafter.metrics import StepCounts
 from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
 from eagle3_assets.drafter.selection import (
     Evaluation,
@@ -69,7 +71,7 @@ from eagle3_assets.drafter.selection import (
     save_best,
     stops_early,
 )
-from eagle3_assets.drafter.sources import ShardEventCallback, offline_data, rolling_data
+from eagle3_assets.drafter.sources import ContinuedData, ShardEventCallback, continued_data, offline_data, rolling_data
 from eagle3_assets.drafter.target_head import (
     TargetHead,
     load_target_weights,
@@ -175,6 +177,7 @@ class TrainResult:
     fingerprint: dict[str, Any] = field(repr=False)  # the run's (`run_fingerprint`)
     evaluations: list[Evaluation] = field(default_factory=list)  # held-out evaluations, in step order
     stopped_early: bool = False  # finished before total_steps by training.early_stop_evals
+    continued: ContinuedData | None = None  # what it continued from and on, when it continued the release
 
     @property
     def best(self) -> Evaluation | None:
@@ -221,6 +224,7 @@ class _Run:
     # checkpoints hold, saved in each of them.
     ledger: list[list] | None
     ledger_from: int = 1  # the first step the ledger holds (later than 1 when it was turned on mid-run)
+    continued: ContinuedData | None = None  # continuing the release (`continuation.py`)
     evals: list[Evaluation] = field(default_factory=list)  # held-out evaluations so far, saved in each checkpoint
 
     def train_step(self, step: int, batch: Batch) -> dict[str, float]:
@@ -375,6 +379,14 @@ class _Run:
         )  # fmt: skip
 
 
+def continued_line(c: ContinuedData) -> str:
+    """How a continuation is described in the log and the drafter's materialization."""
+    return (
+        f"continued from the release ({c.release_sha256[:12]}) with {c.new_rows} new rows and {c.replayed} replayed, "
+        f"{c.steps} steps"
+    )
+
+
 def heldout_line(heldout: dict[str, float], ttt_steps: int) -> str:
     """loss, acc_k and the acceptance estimate, as the progress lines print them."""
     accs = " ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(ttt_steps))
@@ -399,9 +411,21 @@ def _prepare(
     log: LogFn,
     on_shard: ShardEventCallback | None,
     inputs: Mapping[str, str] | None = None,
+    continuation: ContinuationPlan | None = None,
 ) -> _Run:
     window = None
-    if settings.rolling:
+    continued = None
+    if continuation is not None:
+        fmt, loader, held, continued = continued_data(
+            store, continuation.old_shards, continuation.new_shards, settings, env, data_workers
+        )
+        continued = replace(continued, release_sha256=continuation.release_sha256)
+        shard_keys = [*continuation.old_shards, *continuation.new_shards]
+        # Its own schedule, the rest of the recipe as set: a share of a from-scratch run's steps, a short warmup
+        # (the weights are trained already; a full one would spend the budget warming up).
+        short_warmup = min(settings.warmup_steps, max(1, continued.steps // 20))
+        settings = settings.model_copy(update={"steps": continued.steps, "warmup_steps": short_warmup})
+    elif settings.rolling:
         fmt, loader, held, window = rolling_data(
             store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard
         )
@@ -410,6 +434,8 @@ def _prepare(
     _check_inputs(fmt, target, vmap)
     weights = load_target_weights(target)
     model = family.build(target, weights, vmap, fmt.aux_layer_ids, settings.seed, intermediate_size).to(device)
+    if continuation is not None:
+        family.warm_start(model, store, RELEASE_DIR)  # the optimizer stays fresh
     head = TargetHead.from_weights(weights).to(device)
     total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -427,8 +453,14 @@ def _prepare(
         head=head, loader=loader, heldout=held, optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, total)),
         param_names=[n for n, _ in named], total_steps=total,
-        fingerprint=run_fingerprint(settings, shard_keys, n_train, len(held), env.world_size, total, inputs, family.fingerprint()),
-        window=window, ledger=[] if settings.sample_ledger else None,
+        fingerprint=run_fingerprint(
+            settings, shard_keys, n_train, len(held), env.world_size, total, inputs, family.fingerprint(),
+            continued_from=None if continued is None else {
+                "release": continued.release_sha256, "new_shards": list(continuation.new_shards),
+                "new_rows": continued.new_rows, "replayed": continued.replayed,
+            },
+        ),
+        window=window, ledger=[] if settings.sample_ledger else None, continued=continued,
     )  # fmt: skip
 
 
@@ -486,6 +518,16 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
 def _announce(run: _Run, log: LogFn) -> None:
     """What a fresh run is about to do, and whether it is too short to learn."""
     n_tokens = sum(s.length for s in run.loader.samples)
+    if (c := run.continued) is not None:
+        log(
+            f"drafter: {continued_line(c)} (training.continue_fraction {run.settings.continue_fraction:g} of the "
+            f"{c.scratch_steps} steps a from-scratch run would take)"
+        )
+        if c.steps < (one_pass := run.loader.steps_in_epoch(0)):
+            log(
+                f"drafter: {c.steps} steps are less than one pass over the new and replayed rows ({one_pass} steps): "
+                "some new rows go untrained; raise training.continue_fraction, or lower training.replay_rows"
+            )
     log(
         f"drafter: {len(run.loader.samples)} training samples ({n_tokens} tokens), {len(run.heldout)} held out; "
         f"{run.total_steps} steps on {run.device} x{run.env.world_size}; aux layers {list(run.fmt.aux_layer_ids)}"
@@ -527,6 +569,7 @@ def train_drafter(
     inputs: Mapping[str, str] | None = None,
     other_run: OtherRun = "refuse",
     family: Family | None = None,
+    continuation: ContinuationPlan | None = None,
 ) -> TrainResult:
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
@@ -538,7 +581,8 @@ def train_drafter(
     time slices. `resume=False` ignores existing checkpoints; `inputs` (the data's versions) and the settings
     decide whether the newest checkpoint belongs to this run, and `other_run` what happens when it does not. In rolling mode (`settings.mode`)
     training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
-    0 when one starts training and when it is released.
+    0 when one starts training and when it is released. `continuation` (offline only, `continuation.py`) starts
+    the model from the release's weights and trains on the new shards plus a replay of old rows, for its own steps.
     """
     family = family or Eagle3(settings)
     env = DistEnv.from_environ()
@@ -548,7 +592,9 @@ def train_drafter(
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings, family=family,
             intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard, inputs=inputs,
+            continuation=continuation,
         )  # fmt: skip
+        settings = run.settings  # a continuation's schedule is its own
         step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
         if ckpt_rel:
@@ -590,4 +636,5 @@ def train_drafter(
         fingerprint=run.fingerprint,
         evaluations=run.evals,
         stopped_early=stopped_early,
+        continued=run.continued,
     )

@@ -49,9 +49,11 @@ from eagle3_assets.tokenized import (
 from eagle3_assets.vocab_map import (
     TOKEN_FREQ_FILE,
     VOCAB_MAP_FILE,
-    build_vocab_map,
+    VocabMap,
+    VocabMapError,
     load_token_frequencies,
     save_token_frequencies,
+    sticky_vocab_map,
     token_frequencies,
 )
 
@@ -349,16 +351,23 @@ def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
 
 
 @asset(group_name=GROUP, deps=[token_freq], kinds={"safetensors"})
-def vocab_map(project: ResourceParam[Project]) -> MaterializeResult:
-    """d2t/t2d (docs/DESIGN.md §3): the `draft_vocab_size` most frequent target tokens."""
+def vocab_map(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+    """d2t/t2d (docs/DESIGN.md §3): the `draft_vocab_size` most frequent target tokens, or the previous map while it
+    covers the loss tokens within `vocab_map_keep_margin` of a fresh one (`sticky_vocab_map`: appended rows then keep
+    the map, its data version, and the drafter trained on it)."""
     store, settings = project.store, project.settings
     with failures("vocab_map"):
         want = Staleness(project).expected("vocab_map")
         freq = load_token_frequencies(store)
         try:
-            vmap = build_vocab_map(freq, settings.draft_vocab_size)
+            previous = VocabMap.load(store) if store.exists(VOCAB_MAP_FILE) else None
+        except VocabMapError:
+            previous = None  # unreadable: computed afresh
+        try:
+            vmap, how = sticky_vocab_map(previous, freq, settings.draft_vocab_size, settings.vocab_map_keep_margin)
         except ValueError as e:
             raise Failure(f"vocab_map: {e}") from None
+    context.log.info(f"vocab_map: {how}")
     nbytes = vmap.save(store)
     version = materialized(project, want, bytes_digest(vmap.d2t.tobytes(), vmap.t2d.tobytes()))
     covered = int(freq[vmap.t2d].sum())
@@ -371,6 +380,7 @@ def vocab_map(project: ResourceParam[Project]) -> MaterializeResult:
             "distinct_tokens_seen": int(np.count_nonzero(freq)),
             "padding_ids": int(np.count_nonzero(freq[vmap.t2d] == 0)),
             "loss_token_coverage": round(covered / max(1, int(freq.sum())), 6),
+            "map": how,
             "bytes": nbytes,
             "path": store.url_of(VOCAB_MAP_FILE),
         }

@@ -1,0 +1,124 @@
+"""Continue the released drafter on appended rows, or train from scratch, and why (docs/DESIGN.md §5).
+
+Every export carries what it was trained on (`trained_on.json`, written in the export's one publish and copied
+with it into the release): its family, the versions of the target and of the vocab map, the settings that shape
+the model and the loss, and each shard's rows digest. `continuation_plan` compares the release's with what this
+run would train on: when they differ only by added shards, the drafter warm-starts from the release's weights and
+trains on the new rows plus a replay sample of old ones (`sources.continued_data`), for `training.continue_fraction`
+of a from-scratch run's steps. Anything else trains from scratch, naming the first difference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle3_assets.drafter.export import TRAINED_ON_FILE
+from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD
+from eagle3_assets.settings import Settings
+from eagle3_assets.storage import ArtifactStore
+
+# The training settings that shape what the model is and what its loss asks of it, for every family. The schedule
+# (epochs, steps, lr, warmup, batches, evaluation, checkpoints) is not among them: a continuation has its own.
+# `heldout_rows` and `seed` choose the held-out rows: with either changed, rows the release trained on could be
+# held out now, and its figures would flatter it.
+MODEL_LOSS = ("train_lm_head", "loss", "loss_positions", "heldout_rows", "seed")
+EAGLE3_MODEL_LOSS = ("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output")
+
+
+def model_loss_settings(settings: Settings, family: str, family_fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """What a continued drafter must share with the release besides its data: the family's own settings, the
+    training settings that shape model and loss, and how the shards' features were extracted."""
+    fields = MODEL_LOSS + (EAGLE3_MODEL_LOSS if family == "eagle3" else ())
+    return {
+        **({"family": dict(family_fingerprint)} if family_fingerprint else {}),
+        "training": {f: getattr(settings.training, f) for f in fields},
+        "aux_layer_ids": settings.aux_layer_ids,
+        "extraction.storage_dtype": settings.extraction.storage_dtype,
+    }
+
+
+def trained_on(
+    *, family: str, target: str, vocab_map: str, settings: dict[str, Any], shards: Mapping[str, str],
+    continued_from: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The `trained_on.json` body: `shards` is {shard key: rows digest}, in training order."""
+    return {
+        "family": family,
+        "target": target,
+        "vocab_map": vocab_map,
+        "settings": json.loads(json.dumps(settings)),  # as it reads back: lists, not tuples
+        "shards": dict(shards),
+        "continued_from": continued_from,
+    }
+
+
+@dataclass(frozen=True)
+class ContinuationPlan:
+    continues: bool
+    reason: str  # why it trains from scratch; empty when it continues
+    release_sha256: str = ""
+    old_shards: list[str] = field(default_factory=list)  # the release's, in its order
+    new_shards: list[str] = field(default_factory=list)
+
+
+def _differences(released: Any, now: Any, prefix: str) -> list[str]:
+    """Each leaf where the release's record and this run's differ, as "settings.training.loss: release 'kl', now
+    'soft_ce'" (the form of `fingerprint.differences`)."""
+    if isinstance(released, dict) and isinstance(now, dict):
+        out = []
+        for k in sorted(set(released) | set(now)):
+            out += _differences(released.get(k), now.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if released == now else [f"{prefix}: release {released!r}, now {now!r}"]
+
+
+def continuation_plan(
+    release: Mapping[str, Any] | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any], *,
+    rolling: bool = False,
+) -> ContinuationPlan:  # fmt: skip
+    """Continue from the release (`release.json`, its `trained_on.json`) or train from scratch, and why: continue
+    only when the release is of this family, for this target, on this vocab map, with the same model and loss
+    settings, every shard it trained on is still there with the same rows, and at least one shard is new."""
+
+    def scratch(reason: str) -> ContinuationPlan:
+        return ContinuationPlan(False, reason)
+
+    if rolling:
+        return scratch("rolling mode does not continue yet")
+    if release is None:
+        return scratch("nothing is released")
+    if released_on is None:
+        return scratch(
+            f"the release has no {TRAINED_ON_FILE} (released before exports recorded what they were trained on)"
+        )
+    if released_on.get("family") != now["family"]:
+        return scratch(f"family: release {released_on.get('family')!r}, now {now['family']!r}")
+    for name in ("target", "vocab_map"):
+        if released_on.get(name) != now[name]:
+            why = " (a head is never continued on a map it was not trained with)" if name == "vocab_map" else ""
+            return scratch(f"{name}: release {released_on.get(name)!r}, now {now[name]!r}{why}")
+    if diffs := _differences(released_on.get("settings"), now["settings"], "settings"):
+        return scratch(diffs[0])
+    old: dict[str, str] = dict(released_on.get("shards") or {})
+    shards: dict[str, str] = dict(now["shards"])
+    for key, rows in old.items():
+        if key not in shards:
+            return scratch(f"shard {key}: the release trained on it, it is no longer a shard")
+        if shards[key] != rows:
+            return scratch(f"shard {key}: rows changed, not appended (rows digest: release {rows}, now {shards[key]})")
+    new = [k for k in shards if k not in old]
+    if not new:
+        return scratch("no shard was added since the release")
+    return ContinuationPlan(True, "", str(release.get("export_sha256", "")), list(old), new)
+
+
+def read_release(store: ArtifactStore) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(release.json, the release's trained_on.json), each None when absent."""
+    store.settle(RELEASE_DIR)  # a replacement a kill interrupted is finished, never read half done
+    if not store.exists(RELEASE_RECORD):
+        return None, None
+    rel = f"{RELEASE_DIR}/{TRAINED_ON_FILE}"
+    return store.read_json(RELEASE_RECORD), store.read_json(rel) if store.exists(rel) else None

@@ -1,0 +1,141 @@
+"""New rows continue the released drafter instead of restarting it (issue 45): the decision over its cases, and one
+continuation at the smallest size, through `train_and_export` and a real `promote`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from eagle3_assets.drafter.checkpoint import read_checkpoint_state
+from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_plan, read_release
+from eagle3_assets.drafter.eval_report import ServedReport
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
+from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
+from eagle3_assets.drafter.run import train_and_export
+from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.settings import TrainingSettings
+from eagle3_assets.storage import ArtifactStore
+
+from .conftest import tiny_settings
+from .helpers import greedy_vocab_map, random_rows, target_of, tiny_llama, write_shard
+
+SETTINGS = {"family": {}, "training": {"loss": "soft_ce", "ttt_steps": 3}, "aux_layer_ids": [1, 2, 3]}
+RELEASED_ON = {
+    "family": "eagle3", "target": "t1", "vocab_map": "v1", "settings": SETTINGS,
+    "shards": {"rows_0-16": "a", "rows_16-32": "b"}, "continued_from": None,
+}  # fmt: skip
+RELEASE = {"family": "eagle3", "target": "t1", "export_sha256": "f" * 64}
+
+
+def now(**changes) -> dict:
+    return {**RELEASED_ON, "shards": {**RELEASED_ON["shards"], "rows_32-48": "c"}, **changes}
+
+
+def test_an_append_continues_and_every_other_difference_trains_from_scratch_naming_it():
+    assert continuation_plan(RELEASE, RELEASED_ON, now()) == ContinuationPlan(
+        True, "", "f" * 64, ["rows_0-16", "rows_16-32"], ["rows_32-48"]
+    )
+    cases = {
+        "nothing is released": (None, None, now()),
+        "the release has no trained_on.json (released before exports recorded what they were trained on)": (
+            RELEASE, None, now()
+        ),
+        "family: release 'eagle3', now 'dflash'": (RELEASE, RELEASED_ON, now(family="dflash")),
+        "target: release 't1', now 't2'": (RELEASE, RELEASED_ON, now(target="t2")),
+        "vocab_map: release 'v1', now 'v2' (a head is never continued on a map it was not trained with)": (
+            RELEASE, RELEASED_ON, now(vocab_map="v2")
+        ),
+        "settings.training.loss: release 'soft_ce', now 'kl'": (
+            RELEASE, RELEASED_ON, now(settings={**SETTINGS, "training": {"loss": "kl", "ttt_steps": 3}})
+        ),
+        "settings.family.dflash: release None, now {'block_size': 8}": (
+            RELEASE, RELEASED_ON, now(settings={**SETTINGS, "family": {"dflash": {"block_size": 8}}})
+        ),
+        # A prompt file edited in place changes the rows of a shard the release trained on: never an append.
+        "shard rows_16-32: rows changed, not appended (rows digest: release b, now B)": (
+            RELEASE, RELEASED_ON, now(shards={"rows_0-16": "a", "rows_16-32": "B", "rows_32-48": "c"})
+        ),
+        "shard rows_16-32: the release trained on it, it is no longer a shard": (
+            RELEASE, RELEASED_ON, now(shards={"rows_0-16": "a", "rows_32-48": "c"})
+        ),
+        "no shard was added since the release": (RELEASE, RELEASED_ON, RELEASED_ON),
+    }  # fmt: skip
+    for reason, (release, released_on, current) in cases.items():
+        assert continuation_plan(release, released_on, current) == ContinuationPlan(False, reason)
+    assert continuation_plan(RELEASE, RELEASED_ON, now(), rolling=True).reason == "rolling mode does not continue yet"
+
+
+@pytest.mark.slow  # trains three tiny drafters
+def test_appended_shards_continue_the_released_drafter_on_new_and_replayed_rows_for_a_share_of_the_steps(tmp_path):
+    model = tiny_llama(tmp_path / "target")
+    target = target_of(tmp_path / "target")
+    store = ArtifactStore(tmp_path / "store")
+    rows = random_rows(32, seed=0, min_len=8, max_len=16)
+    keys = [write_shard(store, model, rows[:16], 0), write_shard(store, model, rows[16:], 16)]
+    greedy_vocab_map(model, rows).save(store)
+    training = TrainingSettings(
+        ttt_steps=3, lr=3e-3, warmup_steps=2, epochs=4.0, batch_tokens=96, checkpoint_every=100, heldout_rows=4,
+        replay_rows=6, sample_ledger=True, device="cpu",
+    )  # fmt: skip
+    settings = tiny_settings(training=training)
+    logs: list[str] = []
+
+    first = train_and_export(store, target, settings, keys[:1], log=lambda _: None)
+    assert first.summary["trained"] == "from scratch: nothing is released"
+    on = store.read_json(f"{EXPORT_DIR}/{TRAINED_ON_FILE}")
+    assert (on["family"], list(on["shards"]), on["continued_from"]) == ("eagle3", keys[:1], None)
+
+    # The gate releases it (first release), copying every file of the export, trained_on.json too.
+    sha = export_digest(store)
+    report = ServedReport.from_json(
+        {"mean_acceptance_length_k3": 1.5, "mean_acceptance_length_k7": 1.6, "outputs_match_greedy": True,
+         "export_sha256": sha}
+    )  # fmt: skip
+    promote(store, release_decision(report, None, 1.0), report, "none")
+    assert read_release(store)[1] == on
+    released = {k: v.float() for k, v in st_load(store.read_bytes(f"{RELEASE_DIR}/model.safetensors")).items()}
+
+    # Before its first step, the continuation's model is the release's weights.
+    plan = continuation_plan(*read_release(store), {**on, "shards": {k: "none" for k in keys}})
+    assert plan.continues and plan.new_shards == keys[1:]
+    start = train_drafter(store, keys, vmap=greedy_vocab_map(model, rows), target=target, settings=training,
+                          continuation=plan, max_steps=0, resume=False, log=lambda _: None)  # fmt: skip
+    assert start.step == 0 and set(start.model.trainable_state_dict()) == set(released)
+    for name, tensor in start.model.trainable_state_dict().items():
+        assert torch.equal(tensor.float(), released[name]), name
+
+    second = train_and_export(store, target, settings, keys, log=logs.append)
+    c = second.result.continued
+    assert c is not None and (c.release_sha256, c.new_rows, c.replayed) == (sha, 16, 6)
+    assert c.steps == math.ceil(0.25 * c.scratch_steps) == second.result.total_steps == second.result.step
+    assert second.summary["trained"] == f"continued from the release ({sha[:12]}) with 16 new rows and 6 replayed, {c.steps} steps"
+    assert f"drafter: {second.summary['trained']}" in " ".join(logs)
+    # Its checkpoints (a from-scratch run's were removed, naming why) record every row it trained: the new shard's
+    # rows and 6 old ones, never one the release held out (the release's held-out rows are this run's too).
+    assert any("not resuming" in line and "continued_from" in line for line in logs)
+    ledger = read_checkpoint_state(store, second.result.checkpoint).state["ledger"]
+    trained_rows = {row for _, step_rows in ledger for row in step_rows}
+    old = {r for r in trained_rows if r < 16}
+    assert trained_rows - old == set(range(16, 32)) and len(old) == 6
+    assert {(ref.shard, ref.row) for ref in first_heldout(store, keys, training)}.isdisjoint(
+        (keys[0], r) for r in old
+    )
+    exported = store.read_json(f"{EXPORT_DIR}/{TRAINED_ON_FILE}")
+    assert (list(exported["shards"]), exported["continued_from"]) == (keys, sha)
+
+    # The scratch figure is what a from-scratch run on all rows takes: nothing released, it says so.
+    store.remove(RELEASE_DIR, recursive=True)
+    scratch = train_and_export(store, target, settings, keys, log=lambda _: None, max_steps=1)
+    assert scratch.summary["trained"] == "from scratch: nothing is released"
+    assert scratch.result.total_steps == c.scratch_steps
+
+
+def first_heldout(store: ArtifactStore, keys: list[str], training: TrainingSettings):
+    """The rows the first (released) run held out: drawn from its one shard with the run's seed."""
+    from eagle3_assets.drafter.data import index_samples, split_heldout
+
+    samples, _ = index_samples(store, keys[:1])
+    return split_heldout(samples, training.heldout_rows, training.seed)[1]
