@@ -137,6 +137,26 @@ def test_the_export_holds_exactly_what_vllm_loads_and_refuses_a_missing_or_extra
         torch.testing.assert_close(a, b)
 
 
+def test_a_released_dflash_export_warm_starts_a_fresh_drafter_mask_embedding_included(tmp_path: Path):
+    """Issue 45: a continuation starts from the release's weights, and a DFlash release's mask embedding is in a
+    file of its own; a release of another shape is refused, naming the tensor."""
+    cfg = tiny_config(draft_vocab_size=128)
+    vmap = random_vocab_map(300, 128)
+    released = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=torch.randn(300, 64))
+    with torch.no_grad():
+        released.mask_embedding.normal_()
+    store = ArtifactStore(tmp_path / "store")
+    export_dflash(store, released.trainable_state_dict(), cfg, aux_layer_ids=AUX_IDS, rel="release", dtype="float32")
+    family = DFlash(TrainingSettings(), DFlashSettings(), mask_token_id=0)
+    fresh = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=released.embed_tokens.weight)
+    family.warm_start(fresh, store, "release")
+    for name, tensor in released.trainable_state_dict().items():
+        assert torch.equal(fresh.trainable_state_dict()[name], tensor), name
+    other = DFlashDrafter(tiny_config(draft_vocab_size=128, num_layers=3), vmap.d2t, vmap.t2d)
+    with pytest.raises(Exception, match="layers.2"):
+        family.warm_start(other, store, "release")
+
+
 # -- served by vLLM ---------------------------------------------------------------------------------------------
 
 PROMPT_LEN, SERVED, EXTRA, K = 6, 24, 8, 3
