@@ -134,7 +134,7 @@ def _dflash_drafter(_: Settings) -> tuple[str, ...]:
 
 def _eval(_: Settings) -> tuple[str, ...]:
     return ("evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
-            "generation.chat_template_kwargs")  # fmt: skip
+            "generation.chat_template_kwargs", "evaluation.context_bins", "evaluation.min_prompts_per_bin")  # fmt: skip
 
 
 _DRAFTER_DEPS_APART = {
@@ -202,7 +202,7 @@ ARTIFACTS: dict[str, Artifact] = {
         ),
         Artifact(
             "drafter_release",
-            lambda s: ("evaluation.release_min_acceptance", "drafters"),
+            lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters"),
             parents=lambda s: tuple(eval_artifact(f) for f in s.drafters),
         ),
     )

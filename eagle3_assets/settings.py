@@ -8,6 +8,7 @@ Every error names the setting at fault, e.g. `aux_layer_ids: layer id 2 appears 
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
 
@@ -380,6 +381,27 @@ class EvaluationSettings(_Section):
         description="`drafter_release` never releases an export serving below this mean acceptance length at any k: "
         "at 1.0 no draft is ever accepted (a zeroed or misloaded head)",
     )
+    context_bins: list[int] = Field(
+        default_factory=lambda: [0, 1024, 4096, 16384, 32768, 65536],
+        description="edges of the context-length bins (prompt tokens) drafter_eval reports acceptance in: bin i holds "
+        "prompts of edges[i] up to edges[i+1] tokens, the last bin every longer one; starts at 0, increasing",
+    )
+    min_prompts_per_bin: int = Field(
+        5,
+        ge=1,
+        description="a context bin with fewer held-out prompts is reported as too small and not judged by "
+        "drafter_release (a mean over a few prompts moves by half between prompts)",
+    )
+
+    @field_validator("context_bins")
+    @classmethod
+    def _bin_edges(cls, edges: list[int]) -> list[int]:
+        # Every prompt must fall in a bin, and each bin must be a range: no gap below the first edge, no empty bin.
+        if not edges or edges[0] != 0:
+            raise ValueError(f"the first edge must be 0, so every prompt falls in a bin; got {edges}")
+        if any(b <= a for a, b in pairwise(edges)):
+            raise ValueError(f"edges must increase strictly (each bin a range of prompt lengths); got {edges}")
+        return edges
 
 
 class DemoSettings(_Section):

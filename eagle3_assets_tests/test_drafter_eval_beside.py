@@ -1,6 +1,6 @@
 """`drafter_eval` in vLLM (CPU build) with a reference drafter served beside ours, and the release gate on what it
 served: one evaluation, seven engine starts (plain; ours at k=3 and k=7, features kept and zeroed; the reference at
-k=3 and k=7)."""
+k=3 and k=7). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
-from eagle3_assets.drafter.evaluate import REFERENCE, evaluate_drafter
+from eagle3_assets.drafter.evaluate import REFERENCE, eval_prompt_ids, evaluate_drafter
 from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.model import DrafterConfig
@@ -22,7 +22,7 @@ from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, dump_prompts
 from eagle3_assets.settings import EvaluationSettings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel
+from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.vocab_map import VocabMap
 
 from .conftest import tiny_settings
@@ -40,9 +40,14 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     target_dir = confident_target(tiny_target_dir, tmp_path / "target")
     target = TargetModel.read(target_dir, aux_layer_ids=AUX)
     store = ArtifactStore(tmp_path / "store")
-    store.write_text(EVAL_PROMPTS_FILE, dump_prompts([
-        Prompt(f"eval-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS[:4])
-    ]))  # fmt: skip
+    prompts = [Prompt(f"eval-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS[:4])]
+    store.write_text(EVAL_PROMPTS_FILE, dump_prompts(prompts))
+    # Context bins split at the longest prompt's length: the longest ones in a bin of their own, too small at 2.
+    lengths = [len(ids) for ids in eval_prompt_ids(load_tokenizer(target), prompts, {})[0]]
+    edge = max(lengths)
+    short, long = f"0-{edge}", f"{edge}+"
+    counts = {short: sum(n < edge for n in lengths), long: sum(n >= edge for n in lengths)}
+    assert counts[short] >= 2 and counts[long] >= 1, lengths
     t2d = np.zeros(target.vocab_size, dtype=bool)
     t2d[:DRAFT_VOCAB] = True
     vmap = VocabMap(np.zeros(DRAFT_VOCAB, dtype=np.int64), t2d)
@@ -56,7 +61,12 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     reference_dir = store.local_path("reference")
     settings = tiny_settings(
         target_model=str(target_dir),
-        evaluation=EvaluationSettings(max_new_tokens=MAX_TOKENS, reference_drafter=str(reference_dir)),
+        evaluation=EvaluationSettings(
+            max_new_tokens=MAX_TOKENS,
+            reference_drafter=str(reference_dir),
+            context_bins=[0, edge],
+            min_prompts_per_bin=max(2, counts[long] + 1),
+        ),
     )
     lines: list[str] = []
     report = evaluate_drafter(store, target, settings, log=lines.append)
@@ -76,6 +86,15 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
         assert written[f"reference_mean_acceptance_length_k{k}"] == ref[f"mean_acceptance_length_k{k}"] >= 1.0
         assert ref[f"mean_acceptance_length_k{k}"] == pytest.approx(1 + sum(ref[f"acceptance_per_position_k{k}"]), abs=1e-3)
     assert any(line.startswith("drafter_eval: pass 7/7 (reference k=7) done at") for line in lines), lines
+    # Per context bin, from each bin's own counters: ours at 1.0 in both; the reference's whole-set figure is a
+    # mean of its bins' (weighted by drafts), so it lies between them.
+    assert (written["prompts_by_context_bin"], written["context_bins_too_small"]) == (counts, [long])
+    assert written["mean_acceptance_length_by_context_bin"] == {b: {"k3": 1.0, "k7": 1.0} for b in (short, long)}
+    assert ref["prompts_by_context_bin"] == counts and list(ref["mean_acceptance_length_by_context_bin"]) == [short, long]
+    for k in (3, 7):
+        by_bin = [ref["mean_acceptance_length_by_context_bin"][b][f"k{k}"] for b in (short, long)]
+        assert min(by_bin) - 1e-3 <= ref[f"mean_acceptance_length_k{k}"] <= max(by_bin) + 1e-3, (k, by_bin, ref)
+    assert f"context bins with fewer than evaluation.min_prompts_per_bin {counts[long] + 1} prompts" in "\n".join(lines)
 
     # Nothing released yet, and still the zeroed head is not released: it serves at 1.0.
     served = ServedReport.read(store)

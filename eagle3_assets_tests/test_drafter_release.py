@@ -65,6 +65,45 @@ def test_the_gate_never_releases_a_drafter_whose_drafts_are_not_accepted_or_that
     assert not changed.promote and "changed the greedy output" in changed.reason
 
 
+SHORT, LONG = "0-1024", "4096-16384"  # context bins (`context_bins.bin_labels`)
+
+
+def binned(bins: dict[str, tuple[int, float, float]]) -> dict:
+    """A report's figures per context bin, as `EvalReport.as_metadata` writes them, from bin -> (prompts, k3, k7)."""
+    return {
+        "prompts_by_context_bin": {b: n for b, (n, _, _) in bins.items()},
+        "mean_acceptance_length_by_context_bin": {b: {"k3": k3, "k7": k7} for b, (_, k3, k7) in bins.items()},
+    }
+
+
+def test_the_gate_refuses_a_drafter_that_regresses_in_a_context_bin_with_enough_prompts_naming_it():
+    """Issue 43, item 7: better on the whole set (mostly short prompts) and worse on long ones is a regression."""
+    new = ServedReport.from_json(report_json(2.5, 3.2, **binned({SHORT: (40, 2.6, 3.4), LONG: (8, 1.7, 2.1)})))
+    bar = ServedReport.from_json(report_json(2.4, 3.0, **binned({SHORT: (40, 2.5, 3.1), LONG: (8, 1.8, 2.3)}))).export
+    worse = release_decision(new, bar.acceptance, 1.05, bar.bins, 5)
+    assert (worse.promote, worse.reason) == (False, (
+        "the new export serves at mean acceptance length 1.700 at k=3 on prompts of 4096-16384 tokens (8 prompts), the "
+        "released drafter at 1.800 (same prompts, k and engine): not promoted, the released drafter stays"
+    ))  # fmt: skip
+    # The same long bin with too few prompts (in ours, or in the released drafter's figures) is not judged.
+    assert release_decision(new, bar.acceptance, 1.05, bar.bins, 9).promote
+    few = ServedReport.from_json(report_json(2.4, 3.0, **binned({SHORT: (40, 2.5, 3.1), LONG: (4, 1.8, 2.3)}))).export
+    passed = release_decision(new, bar.acceptance, 1.05, few.bins, 5)
+    assert (passed.promote, passed.reason) == (True, (
+        "at least as good as the released drafter: k=3 2.500 >= 2.400, k=7 3.200 >= 3.000; and in each context bin "
+        "of 5 or more prompts (0-1024); not judged, too few prompts or no released figures: 4096-16384 (8 prompts)"
+    ))  # fmt: skip
+    # The whole-set rule comes first, with its message as before.
+    assert release_decision(new, {"k3": 2.6, "k7": 3.0}, 1.05, bar.bins, 5).reason.startswith(
+        "the new export serves at mean acceptance length 2.500 at k=3, the released drafter at 2.600 (same prompts"
+    )
+    # A release served (or made) before bins existed has no bin figures: compared on the whole set, as before.
+    before = release_decision(new, bar.acceptance, 1.05, ServedReport.from_json(report_json(2.4, 3.0)).export.bins, 5)
+    assert (before.promote, before.reason) == (
+        True, "at least as good as the released drafter: k=3 2.500 >= 2.400, k=7 3.200 >= 3.000"
+    )  # fmt: skip
+
+
 def write_export(store: ArtifactStore, scale: float) -> str:
     """An export's files (the gate never loads them: their digest ties the report to them); `store` is a family's
     directory (`store.child(family_root(f))`)."""
@@ -161,6 +200,51 @@ def test_the_gate_cannot_be_emptied_fooled_or_raced(tmp_path):
         assert not result.success and check is None
         assert "run-deciding" in result.failure_data_for_node("drafter_release").error.message
         assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
+
+
+def test_drafter_release_records_each_bin_and_keeps_the_release_against_a_drafter_worse_on_long_prompts(tmp_path):
+    """The asset: release.json keeps the figures per context bin; a retrain worse in a bin of enough prompts fails the
+    check naming the bin, and is promoted once the bin counts as too small (`evaluation.min_prompts_per_bin`);
+    a released drafter that stopped serving greedily keeps the per-bin bar it was released at."""
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(), store)
+    with DagsterInstance.ephemeral() as instance:
+        first = binned({SHORT: (40, 2.5, 3.1), LONG: (6, 1.8, 2.3)})
+        digest = write_export(store, 1.0)
+        result, _, _ = release(project, instance, report_json(2.4, 3.0, export_sha256=digest, **first))
+        assert result.success
+        record = store.read_json(f"{RELEASE_DIR}/release.json")
+        assert (record["prompts_by_context_bin"], record["acceptance_by_context_bin"]) == (
+            {SHORT: 40, LONG: 6}, {SHORT: {"k3": 2.5, "k7": 3.1}, LONG: {"k3": 1.8, "k7": 2.3}}
+        )  # fmt: skip
+
+        digest = write_export(store, 2.0)
+        worse_long = report_json(2.5, 3.2, export_sha256=digest, **binned({SHORT: (40, 2.6, 3.4), LONG: (6, 1.8, 2.1)}))
+        worse_long["beside"] = {RELEASED: report_json(2.4, 3.0, **first)}
+        result, _, check = release(project, instance, worse_long)
+        assert not result.success and not check.passed
+        assert check.description == (
+            "the new export serves at mean acceptance length 2.100 at k=7 on prompts of 4096-16384 tokens (6 prompts), "
+            "the released drafter at 2.300 (same prompts, k and engine): not promoted, the released drafter stays"
+        )
+        # Beside it, the released drafter no longer serves greedily: its recorded per-bin bar still holds.
+        at_one = binned({SHORT: (40, 1.0, 1.0), LONG: (6, 1.0, 1.0)})
+        not_greedy = {RELEASED: report_json(1.0, 1.0, greedy=False, **at_one)}
+        result, _, check = release(project, instance, worse_long | {"beside": not_greedy})
+        assert not result.success and check.description.startswith(
+            "the new export serves at mean acceptance length 2.100 at k=7 on prompts of 4096-16384 tokens (6 prompts), "
+            "the released drafter at 2.300"
+        )
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'  # it stayed
+
+        # With 7 prompts the least a bin is judged on, 6 long prompts are too few: the whole set decides.
+        few = Project(tiny_settings(evaluation=EvaluationSettings(min_prompts_per_bin=7)), store)
+        result, meta, check = release(few, instance, worse_long)
+        assert result.success and check.passed and meta["reason"].value.endswith(
+            f"in each context bin of 7 or more prompts ({SHORT}); not judged, too few prompts or no released figures: "
+            f"{LONG} (6 prompts)"
+        )
+        assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 2.0}\n'
 
 
 @pytest.mark.parametrize("k3", [1.0, 1.04])

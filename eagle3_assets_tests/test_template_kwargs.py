@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.chat import TemplateKwargsError, check_template_kwargs, generation_prompt_ids, mode_label
+from eagle3_assets.drafter.context_bins import group_label
 from eagle3_assets.drafter.evaluate import EvalReport, eval_prompt_ids
 from eagle3_assets.drafter.vllm_eval import GenerationResult
 from eagle3_assets.generation.base import Generated
@@ -156,19 +157,30 @@ def test_an_explicit_reasoning_format_that_contradicts_the_tokenizer_is_refused_
 
 
 def test_drafter_eval_reports_acceptance_per_mode():
-    """The eval's runs come back with a result per mode (vllm_eval `groups`: tested on a real engine in
-    test_drafter_vllm.py); the report keeps each mode's acceptance beside the whole's."""
+    """The eval's runs come back with a result per group, one group per (mode, context bin) (vllm_eval `groups`:
+    tested on a real engine in test_drafter_vllm.py); the report adds the groups' counters up per mode and per bin,
+    beside the whole's."""
     on, off = '{"enable_thinking": true}', '{"enable_thinking": false}'
     plain = GenerationResult([[5, 6], [7, 8], [9]])
-    report = EvalReport(prompts=3, max_tokens=2, modes={on: 2, off: 1})
+    report = EvalReport(prompts=3, max_tokens=2, modes={on: 2, off: 1}, bins={"0-4": 2, "4+": 1}, min_prompts_per_bin=2)
     for k, zeroed, drafts, accepted in ((3, False, 4, 4), (3, True, 4, 1), (7, False, 4, 6), (7, True, 4, 2)):
+        short, long = (3, 1) if k == 3 else (4, 2)  # the "on" mode's accepted tokens, split by bin
         spec = GenerationResult(
             [[5, 6], [7, 8], [9]], drafts, k * drafts, accepted, [accepted],
-            by_group={on: GenerationResult([[5, 6], [7, 8]], 3, 3 * k, accepted), off: GenerationResult([[9]], 1, k, 0)},
+            by_group={
+                group_label(on, "4+"): GenerationResult([[7, 8]], 1, k, long),
+                group_label(on, "0-4"): GenerationResult([[5, 6]], 2, 2 * k, short),
+                group_label(off, "0-4"): GenerationResult([[9]], 1, k, 0),
+            },
         )  # fmt: skip
         report.add_run(k, zeroed, plain, spec, log=lambda _: None)
     meta = report.as_metadata()
     assert meta["prompts_by_mode"] == {on: 2, off: 1}
     assert meta["mean_acceptance_length_by_mode"] == {on: {"k3": 2.3333, "k7": 3.0}, off: {"k3": 1.0, "k7": 1.0}}
+    # 0-4: on's 2 drafts and off's 1 (3 and 0 accepted at k=3); 4+: on's 1 draft alone. Bins in edge order.
+    assert meta["mean_acceptance_length_by_context_bin"] == {
+        "0-4": {"k3": 2.0, "k7": 2.3333}, "4+": {"k3": 2.0, "k7": 3.0}
+    }  # fmt: skip
+    assert (meta["prompts_by_context_bin"], meta["context_bins_too_small"]) == ({"0-4": 2, "4+": 1}, ["4+"])
     assert (meta["mean_acceptance_length_k3"], meta["mean_acceptance_length_k7"]) == (2.0, 2.5)
     assert report.outputs_match

@@ -13,6 +13,8 @@ from eagle3_assets.storage import ArtifactStore
 EVAL_REPORT_FILE = "drafter_eval/report.json"
 ACCEPTANCE_PREFIX = "mean_acceptance_length_k"
 ABOUT = ("prompts", "max_tokens", "prompts_file", "engine")  # how it was served, kept with a release
+PROMPTS_BY_BIN = "prompts_by_context_bin"  # context bin ("0-1024", `context_bins`) -> held-out prompts in it
+ACCEPTANCE_BY_BIN = "mean_acceptance_length_by_context_bin"  # context bin -> "k3" -> mean acceptance length
 
 
 class EvalReportError(Refusal):
@@ -29,15 +31,37 @@ def acceptance_of(figures: Mapping[str, Any]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class ContextBins:
+    """Acceptance per context-length bin (`context_bins`): the prompts in each bin, and "0-1024" -> "k3" -> mean
+    acceptance length. Empty in a report or release made before bins existed: nothing to compare per bin."""
+
+    prompts: dict[str, int] = field(default_factory=dict)
+    acceptance: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any], acceptance_key: str = ACCEPTANCE_BY_BIN) -> ContextBins:
+        return cls(
+            {b: int(n) for b, n in (body.get(PROMPTS_BY_BIN) or {}).items()},
+            {b: {k: float(v) for k, v in acc.items()} for b, acc in (body.get(acceptance_key) or {}).items()},
+        )
+
+    def enough(self, minimum: int) -> list[str]:
+        """The bins with figures and at least `minimum` prompts, in bin order."""
+        return [b for b in self.acceptance if self.prompts.get(b, 0) >= minimum]
+
+
+@dataclass(frozen=True)
 class Served:
-    """One drafter's served figures: mean acceptance length by k ("k3"), and whether its output stayed greedy."""
+    """One drafter's served figures: mean acceptance length by k ("k3"), whether its output stayed greedy, and
+    the same per context bin."""
 
     acceptance: dict[str, float]
     outputs_match_greedy: bool
+    bins: ContextBins = field(default_factory=ContextBins)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Served:
-        return cls(acceptance_of(body), bool(body.get("outputs_match_greedy", False)))
+        return cls(acceptance_of(body), bool(body.get("outputs_match_greedy", False)), ContextBins.from_json(body))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,10 @@ Each prompt is rendered as `responses` renders it: with the run-wide
 `generation.chat_template_kwargs` and its own over them. Prompts of one mode (one set of
 kwargs, e.g. thinking on and off) are decoded together and the acceptance is also
 reported per mode (`acceptance_by_mode`): a drafter serving a hybrid target is scored
-on each mode it will serve.
+on each mode it will serve. Likewise per context-length bin (`context_bins`: the prompt's length in
+tokens, bins by `evaluation.context_bins`): a drafter trained at short lengths may collapse at long ones,
+which a mean over mostly short prompts hides. Each (mode, bin) pair is decoded as one group; a bin with
+fewer than `evaluation.min_prompts_per_bin` prompts is reported as too small.
 
 Other drafters are served beside ours on the same prompts, at the same k, in the same
 engine, and reported under `beside`: the released one (`drafter/release/`, which
@@ -28,7 +31,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,8 +42,9 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
+from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, split_group, too_small
 from eagle3_assets.drafter.errors import EvaluationError
-from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
+from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
 from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
@@ -69,6 +73,18 @@ class ReferenceDrafterMissing(Refusal):
     """`evaluation.reference_drafter` is not an export directory."""
 
 
+def merged_by(
+    by_group: Mapping[str, GenerationResult], part: int, order: Sequence[str] = ()
+) -> dict[str, GenerationResult]:
+    """The groups' results (`group_label`s) added up by mode (`part` 0) or by context bin (1): the counters add.
+    Keys in `order` first, in that order (bins in edge order), then the others as they came."""
+    parts: dict[str, list[GenerationResult]] = {}
+    for label, result in by_group.items():
+        parts.setdefault(split_group(label)[part], []).append(result)
+    keys = [k for k in order if k in parts] + [k for k in parts if k not in order]
+    return {key: GenerationResult.merged(parts[key]) for key in keys}
+
+
 @dataclass
 class EvalReport:
     prompts: int
@@ -82,6 +98,10 @@ class EvalReport:
     speedup: dict[str, float] = field(default_factory=dict)
     modes: dict[str, int] = field(default_factory=dict)  # chat-template kwargs (mode_label) -> prompts
     acceptance_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)  # mode -> "k3" -> acceptance
+    context_bin_edges: list[int] = field(default_factory=list)  # evaluation.context_bins
+    min_prompts_per_bin: int = 5  # evaluation.min_prompts_per_bin: fewer is reported as too small
+    bins: dict[str, int] = field(default_factory=dict)  # context bin ("0-1024") -> prompts, empty bins included
+    acceptance_by_bin: dict[str, dict[str, float]] = field(default_factory=dict)  # bin -> "k3" -> acceptance
     per_position: dict[str, list[float]] = field(default_factory=dict)
     heldout_training_metrics: dict[str, float] = field(default_factory=dict)
     token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
@@ -91,27 +111,44 @@ class EvalReport:
 
     def add_beside(self, name: str, directory: str, k: int, plain: GenerationResult, spec: GenerationResult) -> None:
         """Another drafter's run at k: its acceptance in the report's form, and whether its output stayed greedy."""
-        figures = self.beside.setdefault(name, {"dir": directory, "outputs_match_greedy": True})
+        figures = self.beside.setdefault(
+            name, {"dir": directory, "outputs_match_greedy": True, PROMPTS_BY_BIN: self.bins, ACCEPTANCE_BY_BIN: {}}
+        )
         figures[f"mean_acceptance_length_k{k}"] = round(spec.mean_acceptance_length, 4)
         figures[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in spec.acceptance_per_position]
         figures["outputs_match_greedy"] &= spec.outputs == plain.outputs
+        # Per bin as ours, so the release gate compares like with like.
+        for b, part in merged_by(spec.by_group, 1, list(self.bins)).items():
+            figures[ACCEPTANCE_BY_BIN].setdefault(b, {})[f"k{k}"] = round(part.mean_acceptance_length, 4)
 
     def add_run(
         self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None]
     ) -> None:
-        """One speculative run's acceptance (overall, per position and per mode) and its outputs against greedy."""
+        """One speculative run's acceptance (overall, per position, per mode and per context bin) and its outputs
+        against greedy."""
         label = f"k={k}" + (" features zeroed" if zeroed else "")
         (self.acceptance_zeroed if zeroed else self.acceptance)[f"k{k}"] = spec.mean_acceptance_length
         if not zeroed:
             self.per_position[f"k{k}"] = spec.acceptance_per_position
             if plain.decode_tokens_per_s:
                 self.speedup[f"k{k}"] = spec.decode_tokens_per_s / plain.decode_tokens_per_s
-            for mode, part in spec.by_group.items():
+            for mode, part in merged_by(spec.by_group, 0).items():
                 self.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
                 log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
+            for b, part in merged_by(spec.by_group, 1, list(self.bins)).items():
+                self.acceptance_by_bin.setdefault(b, {})[f"k{k}"] = part.mean_acceptance_length
+                log(
+                    f"drafter_eval: k={k} context bin {b} ({self.bins.get(b, 0)} prompts): mean acceptance length "
+                    f"{part.mean_acceptance_length:.3f}"
+                )
         for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
             if a != b:
                 self.mismatches.append({"prompt": i, "setting": label, "greedy": a[:16], "speculative": b[:16]})
+
+    @property
+    def too_small_bins(self) -> list[str]:
+        """The context bins with fewer than `min_prompts_per_bin` prompts (empty ones too): reported, not judged."""
+        return too_small(self.bins, self.min_prompts_per_bin)
 
     @property
     def outputs_match(self) -> bool:
@@ -137,6 +174,13 @@ class EvalReport:
         meta["mean_acceptance_length_by_mode"] = {
             mode: {k: round(v, 4) for k, v in acc.items()} for mode, acc in self.acceptance_by_mode.items()
         }
+        meta["context_bin_edges"] = self.context_bin_edges
+        meta[PROMPTS_BY_BIN] = self.bins
+        meta[ACCEPTANCE_BY_BIN] = {
+            b: {k: round(v, 4) for k, v in acc.items()} for b, acc in self.acceptance_by_bin.items()
+        }
+        meta["min_prompts_per_bin"] = self.min_prompts_per_bin
+        meta["context_bins_too_small"] = self.too_small_bins
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
         for c, acc in self.token_accuracy.items():
             if not acc.predictions[0]:
@@ -259,11 +303,21 @@ def evaluate_drafter(
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
     max_tokens = max_tokens or settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
     max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
+    edges = settings.evaluation.context_bins
+    lengths = [len(ids) for ids in prompt_ids]  # the context the drafter drafts after: the prompt as served
+    groups = [group_label(mode, context_bin(n, edges)) for mode, n in zip(modes, lengths, strict=True)]
     report = EvalReport(
         prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)),
         prompts_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
-        export_sha256=export_digest(out),
+        export_sha256=export_digest(out), context_bin_edges=list(edges),
+        min_prompts_per_bin=settings.evaluation.min_prompts_per_bin, bins=prompts_per_bin(lengths, edges),
     )  # fmt: skip
+    if small := report.too_small_bins:
+        log(
+            f"drafter_eval: context bins with fewer than evaluation.min_prompts_per_bin "
+            f"{report.min_prompts_per_bin} prompts, reported as too small and not judged by drafter_release: "
+            + ", ".join(f"{b} ({report.bins[b]})" for b in small)
+        )
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
         export_dir = local_copy(out, EXPORT_DIR, Path(tmp) / "export")
         beside = [(name, d, method, k)
@@ -301,7 +355,7 @@ def evaluate_drafter(
             + [{"draft_dir": export_dir, "method": family, "num_speculative_tokens": k, "zero_fc": zeroed}
                for k, zeroed in variants]
             + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
-            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": modes},
+            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": groups},
             timeout_s=timeout_s,
             on_result=on_result,
             cpu_cores=settings.vllm.cpu_cores,

@@ -6,8 +6,11 @@ same engine: `evaluate.py`); its report decides. The new export is promoted (cop
   - its output equals greedy decoding,
   - it serves at `evaluation.release_min_acceptance` or more at every k: an export whose drafts
     are never accepted (a zeroed or misloaded head serves at 1.0) is never released, not even first,
-  - and it serves at least the released drafter's mean acceptance length at every k.
-Otherwise the released drafter stays and the decision's reason names both figures.
+  - and it serves at least the released drafter's mean acceptance length at every k,
+  - also in every context-length bin (`context_bins`) holding at least `evaluation.min_prompts_per_bin` prompts
+    in both reports: a drafter that gained on short prompts must not buy it with long ones. A bin with fewer is
+    not judged, and a release made before bins existed is compared on the whole set alone, as before.
+Otherwise the released drafter stays and the decision's reason names both figures (and the bin).
 
 A release belongs to the target it was released for (`release.json` keeps the version of the store's
 `target_model`, docs/DESIGN.md §9). A drafter released for another target is no baseline: it is not served
@@ -22,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.drafter.eval_report import ServedReport
+from eagle3_assets.drafter.eval_report import PROMPTS_BY_BIN, ContextBins, ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.errors import Refusal
 from eagle3_assets.provenance import read_record
@@ -30,6 +33,7 @@ from eagle3_assets.storage import ArtifactStore
 
 RELEASE_DIR = "drafter/release"
 RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
+RELEASE_ACCEPTANCE_BY_BIN = "acceptance_by_context_bin"  # in release.json, beside "acceptance"
 RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
 # One promotion at a time decides and publishes: its lease lives beside the release, never in the directory it replaces.
 PROMOTION_LEASE_DIR = "drafter/promotion"
@@ -72,8 +76,15 @@ def other_target(store: ArtifactStore, target: str) -> str | None:
     )
 
 
-def release_decision(report: ServedReport, released: dict[str, float] | None, min_acceptance: float) -> Decision:
-    """Whether the export `report` evaluated replaces the released drafter (module docstring)."""
+def release_decision(
+    report: ServedReport,
+    released: dict[str, float] | None,
+    min_acceptance: float,
+    released_bins: ContextBins | None = None,
+    min_prompts_per_bin: int = 5,
+) -> Decision:
+    """Whether the export `report` evaluated replaces the released drafter (module docstring); `released_bins` are
+    the released drafter's figures per context bin (None or empty: compared on the whole set alone)."""
     new = report.export.acceptance
 
     def decision(promote: bool, reason: str) -> Decision:
@@ -98,10 +109,31 @@ def release_decision(report: ServedReport, released: dict[str, float] | None, mi
             f"the new export serves at mean acceptance length {new[k]:.3f} at k={k[1:]}, the released drafter at "
             f"{released[k]:.3f} (same prompts, k and engine): not promoted, the released drafter stays",
         )
+    ours, theirs = report.export.bins, released_bins or ContextBins()
+    judged = [b for b in ours.enough(min_prompts_per_bin) if b in theirs.enough(min_prompts_per_bin)]
+    for b in judged:
+        mine, bar = ours.acceptance[b], theirs.acceptance[b]
+        if worse := [k for k in mine if k in bar and mine[k] < bar[k]]:
+            k = worse[0]
+            return decision(
+                False,
+                f"the new export serves at mean acceptance length {mine[k]:.3f} at k={k[1:]} on prompts of {b} "
+                f"tokens ({ours.prompts[b]} prompts), the released drafter at {bar[k]:.3f} (same prompts, k and "
+                "engine): not promoted, the released drafter stays",
+            )
+    unjudged = [b for b in ours.acceptance if b not in judged]
     return decision(
         True,
         "at least as good as the released drafter: "
-        + ", ".join(f"k={k[1:]} {new[k]:.3f} >= {released[k]:.3f}" for k in new if k in released),
+        + ", ".join(f"k={k[1:]} {new[k]:.3f} >= {released[k]:.3f}" for k in new if k in released)
+        + (f"; and in each context bin of {min_prompts_per_bin} or more prompts ({', '.join(judged)})" if judged
+           else "")
+        + (
+            "; not judged, too few prompts or no released figures: "
+            + ", ".join(f"{b} ({ours.prompts.get(b, 0)} prompts)" for b in unjudged)
+            if unjudged and theirs.acceptance
+            else ""
+        ),
     )
 
 
@@ -111,7 +143,12 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
 
 
 def decide(
-    store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float, source: ArtifactStore | None = None
+    store: ArtifactStore,
+    report: ServedReport,
+    target: str,
+    min_acceptance: float,
+    source: ArtifactStore | None = None,
+    min_prompts_per_bin: int = 5,
 ) -> Decision:
     """`release_decision` on the report of the export now in `source` (a family's directory, `family.family_root`;
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
@@ -125,7 +162,13 @@ def decide(
             f"{source.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
         )
     other = other_target(store, target)
-    decision = release_decision(report, None if other else released_figures(store, report), min_acceptance)
+    decision = release_decision(
+        report,
+        None if other else released_figures(store, report),
+        min_acceptance,
+        None if other else released_bins(store, report),
+        min_prompts_per_bin,
+    )
     if other:
         outcome = "replaced" if decision.promote else "nothing is released for this target"
         return Decision(decision.promote, f"{decision.reason}; {other}: {outcome}", decision.candidate, None)
@@ -150,6 +193,17 @@ def released_figures(store: ArtifactStore, report: ServedReport) -> dict[str, fl
     return beside.acceptance
 
 
+def released_bins(store: ArtifactStore, report: ServedReport) -> ContextBins | None:
+    """The released drafter's figures per context bin served beside the new export, as `released_figures` takes
+    its whole-set ones: the bar it was released at when it no longer serves greedily here. Empty when it was served
+    (or released) before bins existed; None when nothing is released."""
+    if not store.exists(RELEASE_RECORD) or (beside := report.beside.get(RELEASED)) is None:
+        return None
+    if not beside.outputs_match_greedy:
+        return ContextBins.from_json(store.read_json(RELEASE_RECORD), acceptance_key=RELEASE_ACCEPTANCE_BY_BIN)
+    return beside.bins
+
+
 def promote(
     store: ArtifactStore, decision: Decision, report: ServedReport, target: str, source: ArtifactStore | None = None,
     family: str = "eagle3",
@@ -170,6 +224,8 @@ def promote(
             "target": target,
             "family": family,
             "acceptance": decision.candidate,
+            PROMPTS_BY_BIN: report.export.bins.prompts,
+            RELEASE_ACCEPTANCE_BY_BIN: report.export.bins.acceptance,
             "replaced": decision.released,
             "reason": decision.reason,
             "export": source.url_of(EXPORT_DIR),

@@ -19,7 +19,7 @@ that followed the latest earlier occurrence of the longest suffix n-gram, n betw
 `prompt_lookup_min` and `prompt_lookup_max`), the floor that costs no training.
 
 `groups` (one label per prompt) decodes each group with its own `generate` call on the
-same engine and reads the counters per group (`by_group`): acceptance per serving mode.
+same engine and reads the counters per group (`by_group`): acceptance per serving mode and context bin.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,21 @@ class GenerationResult:
             accepted_per_position=d["accepted_per_position"],
             by_group={label: cls.from_json(g) for label, g in d.get("by_group", {}).items()},
             seconds=float(d.get("seconds", 0.0)),
+        )
+
+    @classmethod
+    def merged(cls, parts: Sequence[GenerationResult]) -> GenerationResult:
+        """The counters of several groups' runs added (they are counts), their outputs one after another: the
+        figures of the groups' prompts together."""
+        per_position = [sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
+                        for i in range(max((len(p.accepted_per_position) for p in parts), default=0))]  # fmt: skip
+        return cls(
+            outputs=[o for p in parts for o in p.outputs],
+            num_drafts=sum(p.num_drafts for p in parts),
+            num_draft_tokens=sum(p.num_draft_tokens for p in parts),
+            num_accepted_tokens=sum(p.num_accepted_tokens for p in parts),
+            accepted_per_position=per_position,
+            seconds=sum(p.seconds for p in parts),
         )
 
     @classmethod
@@ -233,18 +248,8 @@ def generate(
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-    parts = list(by_group.values())
-    per_position = [sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
-                    for i in range(max((len(p.accepted_per_position) for p in parts), default=0))]  # fmt: skip
-    return GenerationResult(
-        outputs=outputs,
-        num_drafts=sum(p.num_drafts for p in parts),
-        num_draft_tokens=sum(p.num_draft_tokens for p in parts),
-        num_accepted_tokens=sum(p.num_accepted_tokens for p in parts),
-        accepted_per_position=per_position,
-        by_group=by_group if groups is not None else {},
-        seconds=sum(p.seconds for p in parts),
-    )
+    whole = GenerationResult.merged(list(by_group.values()))
+    return replace(whole, outputs=outputs, by_group=by_group if groups is not None else {})
 
 
 def generate_in_subprocess(

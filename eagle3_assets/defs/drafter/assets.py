@@ -160,8 +160,8 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
                 asset=DRAFTER_RELEASE,
                 blocking=True,
                 description="a new export serves at least as well as the released drafter (same prompts, k and "
-                "engine), greedy, and above evaluation.release_min_acceptance, and best of the families; else it is "
-                "not released",
+                "engine; overall and in each context bin of evaluation.min_prompts_per_bin prompts or more), greedy, "
+                "and above evaluation.release_min_acceptance, and best of the families; else it is not released",
             )
         ],
     )
@@ -177,8 +177,12 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             target = target_version(store)
             sources = {f: store.child(family_root(f)) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
-            minimum = project.settings.evaluation.release_min_acceptance
-            decisions = {f: decide(store, reports[f], target, minimum, sources[f]) for f in families}
+            evaluation = project.settings.evaluation
+            decisions = {
+                f: decide(store, reports[f], target, evaluation.release_min_acceptance, sources[f],
+                          evaluation.min_prompts_per_bin)
+                for f in families
+            }  # fmt: skip
             chosen, reasons = choose(decisions)
             if chosen is not None:
                 promote(store, decisions[chosen], reports[chosen], target, sources[chosen], chosen)
