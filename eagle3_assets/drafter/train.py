@@ -399,12 +399,14 @@ def _prepare(
     log: LogFn,
     on_shard: ShardEventCallback | None,
     inputs: Mapping[str, str] | None = None,
+    window_families: Sequence[str] = (),
 ) -> _Run:
     window = None
     if settings.rolling:
         fmt, loader, held, window = rolling_data(
-            store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard
-        )
+            store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard, family=family.name,
+            families=window_families,
+        )  # fmt: skip
     else:
         fmt, loader, held = offline_data(store, shard_keys, settings, env, data_workers)
     _check_inputs(fmt, target, vmap)
@@ -527,6 +529,7 @@ def train_drafter(
     inputs: Mapping[str, str] | None = None,
     other_run: OtherRun = "refuse",
     family: Family | None = None,
+    window_families: Sequence[str] = (),
 ) -> TrainResult:
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
@@ -538,7 +541,9 @@ def train_drafter(
     time slices. `resume=False` ignores existing checkpoints; `inputs` (the data's versions) and the settings
     decide whether the newest checkpoint belongs to this run, and `other_run` what happens when it does not. In rolling mode (`settings.mode`)
     training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
-    0 when one starts training and when it is released.
+    0 when one starts training and when it is consumed and released. `window_families` (`settings.drafters`) are
+    the families training from the one window: a shard is released once each has consumed it (`family` alone when
+    empty).
     """
     family = family or Eagle3(settings)
     env = DistEnv.from_environ()
@@ -548,6 +553,7 @@ def train_drafter(
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings, family=family,
             intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard, inputs=inputs,
+            window_families=window_families,
         )  # fmt: skip
         step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
