@@ -232,7 +232,7 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
 def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a_shard(tmp_path):
     """Issue 43: eagle3 and dflash train from one window; a shard leaves it (and may be released) only once every
     family in `drafters` recorded it."""
-    from eagle3_assets.shard_window import Window, record_consumed
+    from eagle3_assets.shard_window import Window, record_consumed, window_status
 
     project = project_at(
         tmp_path, training=TrainingSettings(mode="rolling", window_shards=2), drafters=["eagle3", "dflash"]
@@ -261,6 +261,10 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
         record_consumed(store, "rows_0-20", step=7, checkpoint="drafter/checkpoints/step_7")
         window = Window.read(store, keys, 2, ["eagle3", "dflash"])
         assert window.admitted() == ["rows_0-20", "rows_20-40"] and window.refusal("rows_0-20") is None
+        status = window_status(store, keys, 2, ["eagle3", "dflash"])
+        assert status.states["rows_0-20"] == "partly consumed" and status.consumed_at == {"rows_0-20": {"eagle3": 7}}
+        shown = status.as_metadata()
+        assert (shown["shards_consumed"], shown["shards_consumed_eagle3"], shown["shards_consumed_dflash"]) == (0, 1, 0)
         assert window.refusal("rows_40-60") == (
             "shard rows_40-60 is outside the rolling window: training.window_shards=2 shards may be on disk ahead of "
             "training, and the window now holds ['rows_0-20', 'rows_20-40']. It is admitted once every drafter family "
@@ -278,6 +282,7 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
         assert store.exists("families/dflash/drafter/window/rows_0-20.json")
         window = Window.read(store, keys, 2, ["eagle3", "dflash"])
         assert window.admitted() == ["rows_20-40", "rows_40-60"]
+        assert window_status(store, keys, 2, ["eagle3", "dflash"]).states["rows_0-20"] == "consumed"
         assert window.refusal("rows_0-20") == (
             "shard rows_0-20 was trained (consumed by eagle3 at step 7 (drafter/checkpoints/step_7), dflash at step 5 "
             "(families/dflash/drafter/checkpoints/step_5)) and being released: extracting it again would train "

@@ -3,7 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.settings import Settings, SettingsError, artifact_root, demo_settings, load_settings
+from eagle3_assets.settings import (
+    Settings,
+    SettingsError,
+    TrainingSettings,
+    artifact_root,
+    demo_settings,
+    load_settings,
+)
 from eagle3_assets.target import TargetModel, TargetModelError, resolve_aux_layer_ids
 
 
@@ -168,6 +175,12 @@ def test_a_drafter_family_setting_that_cannot_be_trained_or_served_is_refused_na
     with pytest.raises(SettingsError) as e:
         load_settings(write_config(tmp_path, config))
     assert str(e.value) == f"invalid settings in {tmp_path / 'eagle3.yaml'}:\n  {message}"
+
+
+def test_both_families_train_in_rolling_mode_on_one_node():
+    """Issue 43: one window feeds both families' trainers (each shard released once both consumed it)."""
+    settings = Settings(drafters=["eagle3", "dflash"], training=TrainingSettings(mode="rolling"))
+    assert settings.training.rolling and settings.drafters == ["eagle3", "dflash"]
 
 
 def test_a_mask_token_outside_the_targets_vocabulary_is_refused_naming_the_field():
