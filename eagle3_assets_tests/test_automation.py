@@ -292,3 +292,14 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
             defs, instance, evaluation_time=start + datetime.timedelta(minutes=45), cursor=later.cursor
         )
         assert sorted(last.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+
+
+def test_in_rolling_mode_each_familys_trainer_takes_a_pool_of_its_own(tmp_path):
+    """Issue 43: both families train from one window at once; in one `trainer` pool of one slot the second would
+    wait for the first, which waits for the second to consume the window's shards."""
+    from eagle3_assets.definitions import build_definitions
+
+    project = project_at(tmp_path, training=TrainingSettings(mode="rolling"), drafters=["eagle3", "dflash"])
+    graph = build_definitions(project).resolve_asset_graph()
+    pools = {k: graph.get(AssetKey(k)).pools for k in ("drafter", "drafter_dflash", "drafter_eval_dflash")}
+    assert pools == {"drafter": {"trainer"}, "drafter_dflash": {"trainer_dflash"}, "drafter_eval_dflash": {"gpu"}}
