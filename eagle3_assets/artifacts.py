@@ -172,9 +172,11 @@ ARTIFACTS: dict[str, Artifact] = {
             "hidden_states",
             _hidden_states,
             parents=("target_model",),
+            # Rolling: training.mode, window_shards and drafters (a shard leaves the window once every family consumed
+            # it) decide when a shard may be extracted and when its check skips it, not what it holds.
             runs_with=(*SERVING, "extraction.backend", "extraction.batch_tokens", "extraction.progress_interval_s",
                        "extraction.disk_margin", "extraction.max_retries", "extraction.backfill_cron",
-                       "training.mode", "training.window_shards"),
+                       "training.mode", "training.window_shards", "drafters"),
             deps_apart={"tokenized": "a shard records its own rows' digest from tokenized's record, not its version"},
         ),  # fmt: skip
         Artifact(

@@ -47,7 +47,7 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
         asset
         for family in settings.drafters
         for asset in (
-            drafter.drafter_asset(settings.training, family).with_attributes(
+            drafter.drafter_asset(settings.training, family, settings.drafters).with_attributes(
                 automation_condition=drafter_condition(project, door)
             ),
             drafter.drafter_eval_asset(family).with_attributes(automation_condition=drafter_eval_condition(project, door)),

@@ -87,6 +87,14 @@ MAX_RANKS_PER_NODE = 256
 DRAFTER_FAMILIES = ("eagle3", "dflash")
 
 
+def family_root(name: str) -> str:
+    """The store directory of a drafter family's outputs: EAGLE-3 at the store's top, where drafters were written
+    before there were families (its layout and history stay), the others under `families/<name>/`, with the same
+    layout inside (`drafter/family.py`). Here, below every module that reads it, rolling mode's window records
+    among them (`shard_window.py`)."""
+    return "" if name == "eagle3" else f"families/{name}"
+
+
 class LaunchSettings(_Section):
     """How the `drafter` asset starts training: a torchrun job of `nnodes` x `nproc_per_node` ranks."""
 
@@ -507,10 +515,19 @@ class Settings(_Section):
                     f"dflash.aux_layer_ids: layers {missing} are not among the stored aux_layer_ids "
                     f"{self.aux_layer_ids}; the shards hold only those"
                 )
-        if self.training.rolling:
+        return self
+
+    @model_validator(mode="after")
+    def _one_rendezvous_per_family(self) -> Settings:
+        # Rolling, every family trains at once (each shard is released once all of them consumed it), so two
+        # torchrun jobs would meet at the one rendezvous the settings name; offline they train one after the other.
+        launch = self.training.launch
+        if self.training.rolling and len(self.drafters) > 1 and launch.nnodes > 1:
             raise ValueError(
-                "drafters: dflash with training.mode rolling is not supported yet (one window feeding two trainers); "
-                "use mode: offline, or train eagle3 alone"
+                f"training.launch.nnodes: {launch.nnodes} nodes with training.mode rolling and drafters "
+                f"{self.drafters}: the families train at once, and their jobs would meet at the one "
+                f"training.launch.rdzv_endpoint ({launch.rdzv_endpoint}); train them on one node each (nnodes: 1), "
+                "or in mode: offline"
             )
         return self
 

@@ -2,21 +2,32 @@
 
 Training reads shards in key order (the tokenized rows are shuffled in rolling mode, so
 each shard is a uniform slice of them) and extraction runs at most `window_shards`
-shards ahead of it. Two records, each written atomically, decide what may be extracted,
+shards ahead of it. Records, each written atomically, decide what may be extracted,
 trained and deleted, so any fsspec store (a shared volume, object storage) carries the
 window between machines:
 
   hidden_states/<key>/_CHECK.json   the shard's integrity verdict, tied to the manifest it
                                     judged (a re-extracted shard is unchecked until its
                                     check runs again); written by the blocking check
-  drafter/window/<key>.json         the shard was trained through step s, and checkpoint
-                                    step_s holds it; written by the trainer after that
-                                    checkpoint, marked released once the files are gone
+  <family root>/drafter/window/<key>.json
+                                    the family's drafter trained the shard through step s,
+                                    and its checkpoint step_s holds it; written by that
+                                    family's trainer after that checkpoint, marked released
+                                    once the files are gone. EAGLE-3's at `drafter/window/`
+                                    (where it always was), DFlash's under `families/dflash/`
 
-For shard k the order is always: manifest, check record (passed), trained, checkpoint,
-consumed record, sample files deleted, record marked released. A record never exists
-without its checkpoint, and no sample file is deleted without a record: a kill between
-any two steps leaves a state the trainer's next run completes (`Window.reconcile`).
+Every family in `settings.drafters` trains from the one window, each in a trainer of its own,
+and each writes only its own records. A shard's sample files are deleted once every family has
+recorded it, by whichever trainer records it last (each reads the others' records after writing
+its own, so of two that finish at once at least one sees both), and until then the shard counts
+as inside the window: at most `window_shards` complete shards are ever on disk.
+
+For shard k and each family the order is always: manifest, check record (passed), trained,
+checkpoint, the family's consumed record; then, once every family's record exists, sample files
+deleted, the releasing family's record marked released. A record never exists without its
+checkpoint, and no sample file is deleted before every family has its record: a kill of any
+trainer between any two steps leaves a state that trainer's next run completes
+(`ShardWindow.reconcile`).
 """
 
 from __future__ import annotations
@@ -28,12 +39,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
+from eagle3_assets.artifacts import drafter_artifact
 from eagle3_assets.hidden_states.manifest import ShardManifest
 from eagle3_assets.sample_file import SAMPLE_SUFFIX, check_record_path, manifest_path, sample_path, sample_row, shard_dir
+from eagle3_assets.settings import family_root
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
 
-WINDOW_DIR = "drafter/window"
+WINDOW_DIR = "drafter/window"  # under each family's root (`settings.family_root`)
+EAGLE3 = "eagle3"
 
 Verdict = Literal["passed", "failed", "unchecked"]
 
@@ -91,34 +105,94 @@ class ConsumedShard:
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))  # when recorded
 
 
-def consumed_path(key: str) -> str:
-    return f"{WINDOW_DIR}/{key}.json"
+def window_dir(family: str = EAGLE3) -> str:
+    """Where `family`'s consumed records live (store-relative)."""
+    return f"{family_root(family)}/{WINDOW_DIR}".lstrip("/")
 
 
-def read_consumed(store: ArtifactStore) -> dict[str, ConsumedShard]:
-    """Every consumed record in the store, by shard key."""
+def consumed_path(key: str, family: str = EAGLE3) -> str:
+    return f"{window_dir(family)}/{key}.json"
+
+
+def read_consumed(store: ArtifactStore, family: str = EAGLE3) -> dict[str, ConsumedShard]:
+    """Every consumed record of `family` in the store, by shard key."""
     out = {}
-    for name in store.listdir(WINDOW_DIR):
+    for name in store.listdir(window_dir(family)):
         if name.endswith(".json"):
-            record = ConsumedShard(**store.read_json(f"{WINDOW_DIR}/{name}"))
+            record = ConsumedShard(**store.read_json(f"{window_dir(family)}/{name}"))
             out[record.shard] = record
     return out
 
 
-def read_consumed_one(store: ArtifactStore, key: str) -> ConsumedShard | None:
-    if not store.exists(consumed_path(key)):
+def read_consumed_one(store: ArtifactStore, key: str, family: str = EAGLE3) -> ConsumedShard | None:
+    if not store.exists(consumed_path(key, family)):
         return None
-    return ConsumedShard(**store.read_json(consumed_path(key)))
+    return ConsumedShard(**store.read_json(consumed_path(key, family)))
 
 
-def record_consumed(store: ArtifactStore, key: str, *, step: int, checkpoint: str) -> ConsumedShard:
-    """Record that `checkpoint` (already published) has learnt shard `key`; keeps an existing release."""
-    old = read_consumed_one(store, key)
+def record_consumed(
+    store: ArtifactStore, key: str, *, step: int, checkpoint: str, family: str = EAGLE3
+) -> ConsumedShard:
+    """Record that `family`'s `checkpoint` (already published) has learnt shard `key`; keeps an existing release."""
+    old = read_consumed_one(store, key, family)
     if old is not None and old.step == step:
         return old
     record = ConsumedShard(key, step, checkpoint)
-    store.write_json(consumed_path(key), asdict(record))
+    store.write_json(consumed_path(key, family), asdict(record))
     return record
+
+
+@dataclass(frozen=True)
+class Consumption:
+    """Shard `shard` as the families that train from the window recorded it."""
+
+    shard: str
+    records: dict[str, ConsumedShard]  # by family: those that consumed it
+    families: tuple[str, ...]  # every family that must consume it before it is released (`settings.drafters`)
+
+    @property
+    def complete(self) -> bool:
+        """Every family consumed it: it is out of the window, and its files are (being) released."""
+        return all(f in self.records for f in self.families)
+
+    @property
+    def waiting_for(self) -> list[str]:
+        return [f for f in self.families if f not in self.records]
+
+    @property
+    def released(self) -> bool:
+        """Its sample files are deleted (the releasing family marked its own record)."""
+        return any(r.released for r in self.records.values())
+
+    @property
+    def step(self) -> int:
+        """The step that learnt it, of the first family (in `settings.drafters` order) that consumed it."""
+        return next(self.records[f].step for f in self.families if f in self.records)
+
+    def describe(self) -> str:
+        """`consumed at step s, <checkpoint>`; with several families, each family's."""
+        if tuple(self.records) == self.families == (self.families[0],):
+            c = self.records[self.families[0]]
+            return f"consumed at step {c.step}, {c.checkpoint}"
+        return "consumed by " + ", ".join(
+            f"{f} at step {self.records[f].step} ({self.records[f].checkpoint})"
+            for f in self.families
+            if f in self.records
+        )
+
+
+def read_consumption(store: ArtifactStore, families: Sequence[str] = (EAGLE3,)) -> dict[str, Consumption]:
+    """Every shard any of `families` consumed, by key, with each family's record."""
+    by_family = {f: read_consumed(store, f) for f in families}
+    keys = sorted({k for records in by_family.values() for k in records})
+    return {
+        k: Consumption(k, {f: by_family[f][k] for f in families if k in by_family[f]}, tuple(families)) for k in keys
+    }
+
+
+def consumed_by_all(store: ArtifactStore, families: Sequence[str] = (EAGLE3,)) -> dict[str, Consumption]:
+    """The shards every one of `families` consumed: out of the window, their sample files (being) released."""
+    return {k: c for k, c in read_consumption(store, families).items() if c.complete}
 
 
 def sample_files(store: ArtifactStore, key: str) -> list[str]:
@@ -126,17 +200,37 @@ def sample_files(store: ArtifactStore, key: str) -> list[str]:
     return [f"{shard_dir(key)}/{n}" for n in store.listdir(shard_dir(key)) if sample_row(n) is not None]
 
 
-def release(store: ArtifactStore, record: ConsumedShard) -> ConsumedShard:
-    """Delete the consumed shard's sample files (its manifest and check record stay), then mark it released."""
+def release(store: ArtifactStore, record: ConsumedShard, family: str = EAGLE3) -> ConsumedShard:
+    """Delete the consumed shard's sample files (its manifest and check record stay), then mark `family`'s record
+    released. Only once every family consumed the shard (`release_when_consumed`)."""
     if record.released:
         return record
-    files = sample_files(store, record.shard)
-    freed = sum(store.size(f) for f in files)
-    for f in files:
-        store.remove(f)
+    sizes = store.sizes(shard_dir(record.shard))
+    freed = 0
+    for name, size in sizes.items():
+        if sample_row(name) is None:
+            continue
+        try:
+            store.remove(f"{shard_dir(record.shard)}/{name}")
+            freed += size
+        except FileNotFoundError:
+            pass  # another family's trainer, releasing the shard at the same moment, deleted it first
     released = ConsumedShard(record.shard, record.step, record.checkpoint, True, freed, record.at)
-    store.write_json(consumed_path(record.shard), asdict(released))
+    store.write_json(consumed_path(record.shard, family), asdict(released))
     return released
+
+
+def release_when_consumed(
+    store: ArtifactStore, record: ConsumedShard, family: str, families: Sequence[str]
+) -> tuple[ConsumedShard, list[str]]:
+    """The release rule, for `family` that has just recorded `record`: the shard's files are deleted once every one of
+    `families` has a record of it. Returns `family`'s record (released or not) and the families it still waits for.
+    Each trainer writes its own record before it reads the others', so when two finish the shard at once at least one
+    of them sees both records and releases it."""
+    waiting = [f for f in families if f != family and read_consumed_one(store, record.shard, f) is None]
+    if waiting:
+        return record, waiting
+    return release(store, record, family), []
 
 
 def shard_bytes_on_disk(store: ArtifactStore, key: str) -> int:
@@ -145,21 +239,27 @@ def shard_bytes_on_disk(store: ArtifactStore, key: str) -> int:
 
 @dataclass(frozen=True)
 class Window:
-    """Which shards extraction may work on: the `size` shards after the consumed prefix of `keys`."""
+    """Which shards extraction may work on: the `size` shards after the prefix of `keys` every family consumed."""
 
     keys: tuple[str, ...]  # every shard, in training order
-    consumed: dict[str, ConsumedShard]
+    consumed: dict[str, Consumption]  # shards any family consumed
     size: int
+    families: tuple[str, ...] = (EAGLE3,)  # every family training from the window (`settings.drafters`)
 
     @classmethod
-    def read(cls, store: ArtifactStore, keys: Sequence[str], size: int) -> Window:
-        return cls(tuple(keys), read_consumed(store), size)
+    def read(cls, store: ArtifactStore, keys: Sequence[str], size: int, families: Sequence[str] = (EAGLE3,)) -> Window:
+        return cls(tuple(keys), read_consumption(store, families), size, tuple(families))
+
+    def done(self, key: str) -> bool:
+        """Every family consumed shard `key`: it is out of the window."""
+        c = self.consumed.get(key)
+        return c is not None and c.complete
 
     @property
     def consumed_count(self) -> int:
-        """Shards consumed from the start of the order (training consumes them in order)."""
+        """Shards consumed by every family from the start of the order (each family consumes them in order)."""
         n = 0
-        while n < len(self.keys) and self.keys[n] in self.consumed:
+        while n < len(self.keys) and self.done(self.keys[n]):
             n += 1
         return n
 
@@ -170,23 +270,30 @@ class Window:
 
     def refusal(self, key: str) -> str | None:
         """Why shard `key` may not be extracted now, or None."""
-        if key in self.consumed:
+        if self.done(key):
             c = self.consumed[key]
             state = "released" if c.released else "being released"
             return (
-                f"shard {key} was trained (consumed at step {c.step}, {c.checkpoint}) and {state}: extracting it "
+                f"shard {key} was trained ({c.describe()}) and {state}: extracting it "
                 "again would train nothing. To train from scratch, remove drafter/ from the store first"
             )
         if key not in self.admitted():
+            by = (
+                "training has consumed the shards before it"
+                if len(self.families) == 1
+                else f"every drafter family ({', '.join(self.families)}) has consumed the shards before it"
+            )
+            assets = ", ".join(f"`{drafter_artifact(f)}`" for f in self.families)
             return (
                 f"shard {key} is outside the rolling window: training.window_shards={self.size} shards may be on "
-                f"disk ahead of training, and the window now holds {self.admitted()}. It is admitted once training "
-                "has consumed the shards before it (materialize `drafter`)"
+                f"disk ahead of training, and the window now holds {self.admitted()}. It is admitted once {by} "
+                f"(materialize {assets})"
             )
         return None
 
 
-ShardState = Literal["missing", "extracted", "check failed", "checked", "consumed", "released"]
+# "partly consumed": some families consumed it, its files stay for the others.
+ShardState = Literal["missing", "extracted", "check failed", "checked", "partly consumed", "consumed", "released"]
 
 
 @dataclass(frozen=True)
@@ -194,17 +301,25 @@ class WindowStatus:
     """Where a rolling run stands, from the store alone: what the UI and the logs report."""
 
     states: dict[str, ShardState]  # every shard, in training order
-    consumed_at: dict[str, int]  # step that learnt each consumed shard
+    consumed_at: dict[str, dict[str, int]]  # step that learnt each consumed shard, by family
     bytes_on_disk: int  # hidden states of shards not yet released (from their manifests)
     window_bytes: int  # what `size` shards of the mean extracted size take
     eta_s: float | None  # until the last shard is consumed, at the slower of the two measured rates
+    families: tuple[str, ...] = (EAGLE3,)
 
     def as_metadata(self) -> dict[str, float | int]:
         counts = {state: list(self.states.values()).count(state) for state in ("released", "consumed", "checked")}
+        on_disk = ("extracted", "checked", "check failed", "partly consumed", "consumed")
+        per_family = (
+            {f"shards_consumed_{f}": sum(f in c for c in self.consumed_at.values()) for f in self.families}
+            if len(self.families) > 1
+            else {}
+        )
         return {
             "shards_total": len(self.states),
             "shards_consumed": counts["released"] + counts["consumed"],
-            "shards_on_disk": sum(s in ("extracted", "checked", "check failed", "consumed") for s in self.states.values()),
+            **per_family,
+            "shards_on_disk": sum(s in on_disk for s in self.states.values()),
             "hidden_state_bytes_on_disk": self.bytes_on_disk,
             "window_bytes": self.window_bytes,
             **({"eta_s": round(self.eta_s, 1)} if self.eta_s is not None else {}),
@@ -219,8 +334,10 @@ def _rate(times: list[datetime]) -> float | None:
     return (len(times) - 1) / span if span > 0 else None
 
 
-def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> WindowStatus:
-    consumed = read_consumed(store)
+def window_status(
+    store: ArtifactStore, keys: Sequence[str], size: int, families: Sequence[str] = (EAGLE3,)
+) -> WindowStatus:
+    consumed = read_consumption(store, families)
     states: dict[str, ShardState] = {}
     manifests: dict[str, ShardManifest] = {}
     for key in keys:
@@ -228,8 +345,10 @@ def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> Windo
         raw = store.read_bytes(manifest_path(key)) if store.exists(manifest_path(key)) else None
         if raw is not None:
             manifests[key] = ShardManifest.from_json(json.loads(raw))
-        if key in consumed:
+        if key in consumed and consumed[key].complete:
             states[key] = "released" if consumed[key].released else "consumed"
+        elif key in consumed:
+            states[key] = "partly consumed"
         elif raw is None:
             states[key] = "missing"
         else:
@@ -238,7 +357,10 @@ def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> Windo
     sizes = [m.bytes for m in manifests.values()]
     on_disk = sum(manifests[k].bytes for k, st in states.items() if st != "released" and k in manifests)
     extracted_at = [datetime.fromisoformat(m.created) for m in manifests.values()]
-    trained_at = [datetime.fromisoformat(c.at) for c in consumed.values()]
+    # A shard leaves the window when its last family consumes it.
+    trained_at = [
+        max(datetime.fromisoformat(r.at) for r in c.records.values()) for c in consumed.values() if c.complete
+    ]
     extract_rate, train_rate = _rate(extracted_at), _rate(trained_at)
     eta = None
     if train_rate:
@@ -248,8 +370,9 @@ def window_status(store: ArtifactStore, keys: Sequence[str], size: int) -> Windo
         eta = max(to_train, to_extract + 1 / train_rate) if to_train else 0.0
     return WindowStatus(
         states=states,
-        consumed_at={k: c.step for k, c in consumed.items()},
+        consumed_at={k: {f: r.step for f, r in c.records.items()} for k, c in consumed.items()},
         bytes_on_disk=on_disk,
         window_bytes=size * (sum(sizes) // len(sizes)) if sizes else 0,
         eta_s=eta,
+        families=tuple(families),
     )

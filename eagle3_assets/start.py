@@ -10,8 +10,9 @@ leaves the roots to a person), an unusable shard is extracted again at once (the
 reported, not retried in a loop; the same command again retries it.
 
 Each tick's assets run as one run, each shard in a run of its own (its own retries, its own `gpu` slot), every run
-recorded in $DAGSTER_HOME as if launched from the UI. In rolling mode (`training.mode: rolling`) `drafter` trains in
-a process of its own while later ticks extract each shard the window admits. The same command after a crash or a
+recorded in $DAGSTER_HOME as if launched from the UI. In rolling mode (`training.mode: rolling`) each family's drafter
+(`drafter`, `drafter_dflash`: `settings.drafters`) trains in a process of its own, all of them at once, while later
+ticks extract each shard the window admits (a shard leaves it once every family consumed it). The same command after a crash or a
 kill resumes: runs left by a dead process are failed first (their slots freed), and finished work is not redone.
 
 With a `vllm` backend and no server configured, each phase that has work shares one vLLM server, started when
@@ -54,7 +55,7 @@ from dagster import (
     evaluate_automation_conditions,
 )
 
-from eagle3_assets.defs.drafter.assets import DRAFTER, DRAFTER_RELEASE, eval_key
+from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, drafter_key, eval_key
 from eagle3_assets.defs.ops.runs import MAX_RETRIES_TAG, process_tags, sweep_dead_runs
 from eagle3_assets.defs.partitions import (
     UnknownShardKey,
@@ -244,22 +245,26 @@ class GraphStart:
         in the graph up to `through` is left unmade (each is named)."""
         self.log(f"{len(sweep_dead_runs(self.instance))} run(s) of dead processes failed and their slots freed")
         selection = self.selection(through)
-        rolling = self.project.settings.training.rolling
+        settings = self.project.settings
+        # Rolling: every family's trainer, each in a process of its own, all at once (each shard is released once
+        # every family consumed it, so one waiting for another to finish would wait for ever).
+        rolling_trainers = {drafter_key(f) for f in settings.drafters} if settings.training.rolling else set()
         tried: set[Request] = set()
         failed: list[str] = []
         with ExitStack() as stack:
             phase = stack.enter_context(self._phases())
-            trainer = None
+            trainers: dict[AssetKey, subprocess.Popen] = {}
             for requests in self.ticks(selection):
                 self.stop.check()
                 new = [r for r in requests if r not in tried]
-                if trainer is not None and trainer.poll() is not None:
-                    ok = trainer.returncode == 0
-                    self.log(f"drafter: {'ok' if ok else 'FAILED'} in its own process")
-                    failed += [] if ok else ["drafter"]
-                    trainer = None
+                for key, trainer in list(trainers.items()):
+                    if trainer.poll() is not None:
+                        ok = trainer.returncode == 0
+                        self.log(f"{key.to_user_string()}: {'ok' if ok else 'FAILED'} in its own process")
+                        failed += [] if ok else [key.to_user_string()]
+                        del trainers[key]
                 if not new:
-                    if trainer is None:
+                    if not trainers:
                         break
                     time.sleep(ROLLING_POLL_S)
                     continue
@@ -267,20 +272,20 @@ class GraphStart:
                 staleness = Staleness(self.project)
                 for request in new:
                     self.log(f"{_label([request])}: to run ({self.why(request, staleness)})")
-                assets = [k for k, p in new if p is None and not (rolling and k == DRAFTER)]
+                assets = [k for k, p in new if p is None and k not in rolling_trainers]
                 if assets:
-                    phase("generate" if RESPONSES in assets else "extract" if trainer is not None else None)
+                    phase("generate" if RESPONSES in assets else "extract" if trainers else None)
                     if not self.launch(assets):
                         failed.append(",".join(k.to_user_string() for k in assets))
-                if rolling and (DRAFTER, None) in new:
-                    trainer = stack.enter_context(self._process(DRAFTER))
+                for key in [k for k, p in new if p is None and k in rolling_trainers]:
+                    trainers[key] = stack.enter_context(self._process(key))
                 shards = [p for k, p in new if k == HIDDEN_STATES]
                 if shards:
                     phase("extract")
                 for key in shards:
                     if not self.launch([HIDDEN_STATES], key):
                         failed.append(f"hidden_states[{key}]")
-                        if trainer is not None:
+                        if trainers:
                             self._waits_for(key)
         if failed:
             self.log(f"failed: {', '.join(failed)}; run the same command again to resume them")
@@ -295,7 +300,8 @@ class GraphStart:
     def _waits_for(self, key: str) -> None:
         wait = self.project.settings.training.shard_wait_s
         self.log(
-            f"{key} failed; the drafter waits for it up to training.shard_wait_s={wait:g}s. Repair it from another "
+            f"{key} failed; {'the drafter' if len(self.project.settings.drafters) == 1 else 'each drafter'} waits for "
+            f"it up to training.shard_wait_s={wait:g}s. Repair it from another "
             f"shell (`python -m eagle3_assets.start --shard {key}`), or stop this command: running it again resumes"
         )
 

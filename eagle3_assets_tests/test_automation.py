@@ -227,3 +227,79 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
             defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
         )
         assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+
+
+def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a_shard(tmp_path):
+    """Issue 43: eagle3 and dflash train from one window; a shard leaves it (and may be released) only once every
+    family in `drafters` recorded it."""
+    from eagle3_assets.shard_window import Window, record_consumed, window_status
+
+    project = project_at(
+        tmp_path, training=TrainingSettings(mode="rolling", window_shards=2), drafters=["eagle3", "dflash"]
+    )
+    tokenized = stand_in(project, "tokenized")
+
+    @asset(
+        name="hidden_states", partitions_def=shards, deps=[tokenized],
+        automation_condition=shard_backfill_condition("*/15 * * * *", project),
+    )  # fmt: skip
+    def rolling() -> None:
+        return None
+
+    defs = Definitions(assets=[tokenized, rolling])
+    keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80"]
+    start = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
+    store = project.store
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("hidden_state_shards", keys)
+        assert run(defs, instance, ["tokenized"]).success
+        first = evaluate_automation_conditions(defs, instance, evaluation_time=start)
+        tick = evaluate_automation_conditions(defs, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor)
+        assert sorted(tick.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]
+
+        # EAGLE-3 alone consumed the first shard: dflash still needs it, so it stays in the window.
+        record_consumed(store, "rows_0-20", step=7, checkpoint="drafter/checkpoints/step_7")
+        window = Window.read(store, keys, 2, ["eagle3", "dflash"])
+        assert window.admitted() == ["rows_0-20", "rows_20-40"] and window.refusal("rows_0-20") is None
+        status = window_status(store, keys, 2, ["eagle3", "dflash"])
+        assert status.states["rows_0-20"] == "partly consumed" and status.consumed_at == {"rows_0-20": {"eagle3": 7}}
+        shown = status.as_metadata()
+        assert (shown["shards_consumed"], shown["shards_consumed_eagle3"], shown["shards_consumed_dflash"]) == (0, 1, 0)
+        assert window.refusal("rows_40-60") == (
+            "shard rows_40-60 is outside the rolling window: training.window_shards=2 shards may be on disk ahead of "
+            "training, and the window now holds ['rows_0-20', 'rows_20-40']. It is admitted once every drafter family "
+            "(eagle3, dflash) has consumed the shards before it (materialize `drafter`, `drafter_dflash`)"
+        )
+        later = evaluate_automation_conditions(
+            defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
+        )
+        assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]
+
+        # DFlash consumed it too: the window moves on by one, and extracting it again is refused naming both.
+        record_consumed(
+            store, "rows_0-20", step=5, checkpoint="families/dflash/drafter/checkpoints/step_5", family="dflash"
+        )
+        assert store.exists("families/dflash/drafter/window/rows_0-20.json")
+        window = Window.read(store, keys, 2, ["eagle3", "dflash"])
+        assert window.admitted() == ["rows_20-40", "rows_40-60"]
+        assert window_status(store, keys, 2, ["eagle3", "dflash"]).states["rows_0-20"] == "consumed"
+        assert window.refusal("rows_0-20") == (
+            "shard rows_0-20 was trained (consumed by eagle3 at step 7 (drafter/checkpoints/step_7), dflash at step 5 "
+            "(families/dflash/drafter/checkpoints/step_5)) and being released: extracting it again would train "
+            "nothing. To train from scratch, remove drafter/ from the store first"
+        )
+        last = evaluate_automation_conditions(
+            defs, instance, evaluation_time=start + datetime.timedelta(minutes=45), cursor=later.cursor
+        )
+        assert sorted(last.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+
+
+def test_in_rolling_mode_each_familys_trainer_takes_a_pool_of_its_own(tmp_path):
+    """Issue 43: both families train from one window at once; in one `trainer` pool of one slot the second would
+    wait for the first, which waits for the second to consume the window's shards."""
+    from eagle3_assets.definitions import build_definitions
+
+    project = project_at(tmp_path, training=TrainingSettings(mode="rolling"), drafters=["eagle3", "dflash"])
+    graph = build_definitions(project).resolve_asset_graph()
+    pools = {k: graph.get(AssetKey(k)).pools for k in ("drafter", "drafter_dflash", "drafter_eval_dflash")}
+    assert pools == {"drafter": {"trainer"}, "drafter_dflash": {"trainer_dflash"}, "drafter_eval_dflash": {"gpu"}}

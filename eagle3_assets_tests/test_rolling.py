@@ -23,14 +23,23 @@ from safetensors.torch import load_file
 
 from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.drafter.checkpoint import list_checkpoints, read_checkpoint_state
+from eagle3_assets.drafter.family import DFlash
 from eagle3_assets.drafter.rolling import HELDOUT_DIR, RollingPlan, ShardFailedError, ShardWindow
-from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.drafter.train import TrainResult, train_drafter
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.integrity import check_shard
 from eagle3_assets.hidden_states.shard import extract_shard
-from eagle3_assets.sample_file import manifest_path, sample_path
-from eagle3_assets.settings import ExtractionSettings, TrainingSettings
-from eagle3_assets.shard_window import Window, check_verdict, read_consumed, sample_files, write_check_record
+from eagle3_assets.sample_file import check_record_path, manifest_path, sample_path, shard_dir
+from eagle3_assets.settings import DFlashSettings, ExtractionSettings, TrainingSettings
+from eagle3_assets.shard_window import (
+    Window,
+    check_verdict,
+    read_consumed,
+    read_consumed_one,
+    read_consumption,
+    sample_files,
+    write_check_record,
+)
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
@@ -45,6 +54,8 @@ ROLLING = TrainingSettings(
     mode="rolling", window_shards=2, ttt_steps=3, lr=3e-3, warmup_steps=2, batch_tokens=24, checkpoint_every=3,
     heldout_rows=2, seed=0, sample_ledger=True,
 )  # fmt: skip
+DFLASH = DFlashSettings(block_size=3, anchors_per_row=4)  # the second family, as small as the first
+FAMILIES = ("eagle3", "dflash")
 
 
 class CappedFileSystem(LocalFileSystem):
@@ -178,23 +189,36 @@ RUN = textwrap.dedent(
 
     args = json.loads(sys.argv[1])
     torch.set_num_threads(2)
+    settings = TrainingSettings(**args["settings"])
+    family = None
+    if args["family"] == "dflash":
+        from eagle3_assets.drafter.family import DFlash
+        from eagle3_assets.settings import DFlashSettings
+
+        family = DFlash(settings, DFlashSettings(**args["dflash"]), mask_token_id=0)
     r = train_drafter(
         ArtifactStore(args["store"]), args["keys"], vmap=VocabMap(np.array(args["d2t"]), np.array(args["t2d"])),
-        target=TargetModel.read(args["target"], aux_layer_ids=[1, 2, 3]), settings=TrainingSettings(**args["settings"]),
-        log=lambda _: None,
+        target=TargetModel.read(args["target"], aux_layer_ids=[1, 2, 3]), settings=settings,
+        log=lambda _: None, family=family, window_families=args["families"],
     )
     print(json.dumps({"step": r.step, "total": r.total_steps, "resumed_from": r.resumed_from}))
     """
 )
 
 
-def run_trainer(world, tmp_path: Path, store_dir: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
+def run_trainer(
+    world, tmp_path: Path, store_dir: Path, crash_at: str | None = None, family: str = "eagle3",
+    families: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """`family`'s rolling trainer in a process of its own; a shard is released once every one of `families` consumed
+    it (`family` alone when empty)."""
     root, _, _, keys, vmap = world
     script = tmp_path / "rolling_run.py"
     script.write_text(RUN)
     args = {
         "store": str(store_dir), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
-        "target": str(root / "target"), "settings": ROLLING.model_dump(),
+        "target": str(root / "target"), "settings": ROLLING.model_dump(), "family": family,
+        "dflash": DFLASH.model_dump(), "families": list(families),
     }  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV} | ({CRASH_ENV: crash_at} if crash_at else {})
     return subprocess.run(
@@ -227,11 +251,12 @@ def assert_release_invariants(store: ArtifactStore, keys: list[str]) -> None:
         assert record.step <= newest, f"{record.shard} recorded at step {record.step}, newest checkpoint {newest}"
 
 
-def final_ledger(store_dir: Path) -> tuple[list[list], dict[str, torch.Tensor]]:
-    store = ArtifactStore(store_dir)
+def final_ledger(store_dir: Path, root: str = "") -> tuple[list[list], dict[str, torch.Tensor]]:
+    """The newest checkpoint's ledger and weights, of the family whose outputs are under `root`."""
+    store = ArtifactStore(store_dir).child(root)
     newest = list_checkpoints(store)[-1]
     rel = f"drafter/checkpoints/step_{newest}"
-    return read_checkpoint_state(store, rel).state["ledger"], load_file(str(store_dir / rel / "model.safetensors"))
+    return read_checkpoint_state(store, rel).state["ledger"], load_file(str(store.local_path(f"{rel}/model.safetensors")))
 
 
 def test_every_sample_is_trained_exactly_once_through_kills_anywhere(world, extracted, tmp_path):
@@ -304,3 +329,165 @@ def test_sample_files_lost_after_the_check_stop_training_at_their_shard_before_i
     store.write_bytes(sample_path(keys[2], 12), store.read_bytes(sample_path(keys[2], 12))[:-10])
     with pytest.raises(ShardFailedError, match=rf"its sample files hold {recorded - 10:,} bytes, its manifest recorded {recorded:,}: "):
         window.wait_for(2)
+
+
+# -- two drafter families from one window (issue 43) ----------------------------------------------------------------
+
+
+def copy_shard(source: ArtifactStore, store: ArtifactStore, key: str) -> None:
+    """Extraction and its check, standing in: the shard as the `extracted` fixture made it, its sample files first,
+    then its manifest, then its check record (the order extraction and the check write them)."""
+    last = [manifest_path(key), check_record_path(key)]
+    for name in source.sizes(shard_dir(key)):
+        if (rel := f"{shard_dir(key)}/{name}") not in last:
+            store.write_bytes(rel, source.read_bytes(rel))
+    for rel in last:
+        store.write_bytes(rel, source.read_bytes(rel))
+
+
+def assert_released_only_once_both_consumed(store: ArtifactStore, keys: list[str]) -> None:
+    """No shard lost a file before both families recorded it; no family's record without its checkpoint."""
+    for key in keys:
+        if len(sample_files(store, key)) < SHARD_ROWS:
+            assert [f for f in FAMILIES if read_consumed_one(store, key, f) is None] == [], key
+    for family, root in zip(FAMILIES, ("", "families/dflash"), strict=True):
+        newest = max(list_checkpoints(store.child(root)), default=0)
+        for record in read_consumed(store, family).values():
+            assert record.step <= newest, (family, record)
+
+
+def assert_each_row_trained_once_per_family(store_dir: Path, keys: list[str], totals: dict[str, int]) -> None:
+    held = {
+        r.row for r in RollingPlan.from_tokenized(TokenizedSet.load(ArtifactStore(store_dir)), keys, heldout_rows=2, seed=0).heldout
+    }
+    for family, root in zip(FAMILIES, ("", "families/dflash"), strict=True):
+        ledger, _ = final_ledger(store_dir, root)
+        assert [s for s, _ in ledger] == list(range(1, totals[family] + 1)), family  # every step once, in order
+        assert Counter(r for _, rows in ledger for r in rows) == Counter(r for r in range(ROWS) if r not in held), family
+
+
+def test_two_families_train_at_once_from_one_window_each_shard_released_once_both_consumed_it(world, extracted, tmp_path):
+    root, _, _, keys, vmap = world
+    target = target_of(root / "target")
+    source = ArtifactStore(extracted)
+    store = new_store(world, str(tmp_path / "store"))
+    family = {"eagle3": None, "dflash": DFlash(ROLLING, DFLASH, mask_token_id=0)}
+    events: dict[str, list[dict]] = {f: [] for f in FAMILIES}
+    outcome: dict[str, TrainResult | BaseException] = {}
+
+    # A trainer left waiting by a failed assertion gives up soon, and dies with the test process.
+    settings = ROLLING.model_copy(update={"shard_wait_s": 60.0})
+
+    def train(name: str) -> None:
+        try:
+            outcome[name] = train_drafter(
+                store, keys, vmap=vmap, target=target, settings=settings, log=lambda _: None,
+                on_shard=events[name].append, family=family[name], window_families=FAMILIES,
+            )  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            outcome[name] = e
+
+    trainers = [threading.Thread(target=train, args=(f,), daemon=True) for f in FAMILIES]
+    for t in trainers:
+        t.start()
+    copied: list[str] = []
+    most_on_disk = 0
+    deadline = time.monotonic() + 900
+    # The extraction side, as the backfill automation drives it: only shards the window of both families admits.
+    while any(t.is_alive() for t in trainers) and time.monotonic() < deadline:
+        for key in Window.read(store, keys, ROLLING.window_shards, FAMILIES).admitted():
+            if key not in copied:
+                copy_shard(source, store, key)
+                copied.append(key)
+        on_disk = [k for k in keys if sample_files(store, k)]
+        assert_released_only_once_both_consumed(store, copied)
+        # The window bound: the shards on disk that some family has still to consume are at most W, and beside
+        # them at most the one being released.
+        window = Window.read(store, keys, ROLLING.window_shards, FAMILIES)
+        assert len([k for k in on_disk if not window.done(k)]) <= ROLLING.window_shards, on_disk
+        most_on_disk = max(most_on_disk, len(on_disk))
+        time.sleep(0.02)
+    for t in trainers:
+        t.join(timeout=60)
+
+    assert not [e for e in outcome.values() if isinstance(e, BaseException)], outcome
+    assert copied == keys  # in training order, each once
+    assert most_on_disk <= ROLLING.window_shards + 1
+    consumption = read_consumption(store, FAMILIES)
+    assert sorted(consumption) == sorted(keys)
+    assert all(c.complete and c.released for c in consumption.values())
+    assert hidden_state_bytes(store, keys) == 0  # every shard released; its manifest and check record stay
+    assert store.exists("families/dflash/drafter/window/rows_0-6.json") and store.exists("drafter/window/rows_0-6.json")
+    for name in FAMILIES:
+        result = outcome[name]
+        assert result.finished and result.step == result.total_steps and set(result.heldout) >= {"loss", "acc_0"}
+        assert [e["shard"] for e in events[name] if e["state"] == "training"] == keys
+    # Each shard was released by whichever family consumed it last (both, when they finished it at the same moment).
+    for key in keys:
+        states = {e["state"] for f in FAMILIES for e in events[f] if e["shard"] == key and e["state"] != "training"}
+        assert "released" in states and states <= {"consumed", "released"}, (key, states)
+    # The held-out copies served both families: one copy of each held-out row.
+    assert sorted(os.listdir(tmp_path / "store" / HELDOUT_DIR)) == sorted(
+        f"{r.row}.safetensors"
+        for r in RollingPlan.from_tokenized(TokenizedSet.load(store), keys, heldout_rows=2, seed=0).heldout
+    )
+    totals = {name: outcome[name].total_steps for name in FAMILIES}
+    assert_each_row_trained_once_per_family(tmp_path / "store", keys, totals)
+
+
+def test_two_families_killed_anywhere_train_every_sample_once_each_and_nothing_is_released_before_both_consumed_it(
+    world, extracted, tmp_path
+):
+    import shutil
+
+    _, _, _, keys, _ = world
+    store_dir = tmp_path / "store"
+    shutil.copytree(extracted, store_dir)
+    store = ArtifactStore(store_dir)
+
+    def trainer(name: str, crash: str | None = None) -> subprocess.CompletedProcess:
+        return run_trainer(world, tmp_path, store_dir, crash_at=crash, family=name, families=FAMILIES)
+
+    def whole() -> list[bool]:
+        return [len(sample_files(store, k)) == SHARD_ROWS for k in keys]
+
+    # DFlash first, killed after recording the second shard, before it looked for EAGLE-3's records: EAGLE-3 has
+    # consumed nothing, so nothing is released.
+    proc = trainer("dflash", f"recorded:{keys[1]}")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert sorted(read_consumed(store, "dflash")) == keys[:2] and read_consumed(store, "eagle3") == {}
+    assert whole() == [True] * 8
+    # EAGLE-3, killed between the third shard's checkpoint and its record: it released the two shards DFlash had
+    # consumed as it consumed them, and nothing after.
+    proc = trainer("eagle3", f"checkpointed:{keys[2]}")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert sorted(read_consumed(store, "eagle3")) == keys[:2] and all(c.released for c in read_consumed(store).values())
+    assert whole() == [False] * 2 + [True] * 6
+    assert_released_only_once_both_consumed(store, keys)
+    # The runs that are not killed train here (a process each costs more than their training).
+    root, _, _, _, vmap = world
+    target = target_of(root / "target")
+
+    def resumed(name: str) -> TrainResult:
+        family = DFlash(ROLLING, DFLASH, mask_token_id=0) if name == "dflash" else None
+        return train_drafter(
+            store, keys, vmap=vmap, target=target, settings=ROLLING, log=lambda _: None, family=family,
+            window_families=FAMILIES,
+        )  # fmt: skip
+
+    # EAGLE-3 to the end: DFlash has not consumed the rest, so every one of them stays on disk.
+    eagle3 = resumed("eagle3")
+    assert eagle3.resumed_from is not None and eagle3.finished
+    assert sorted(read_consumed(store, "eagle3")) == sorted(keys)
+    assert whole() == [False] * 2 + [True] * 6
+    assert_released_only_once_both_consumed(store, keys)
+    # DFlash resumes after its second shard (released meanwhile: it reads the held-out copies) and releases each
+    # shard as it consumes it.
+    dflash = resumed("dflash")
+    assert dflash.resumed_from is not None and dflash.finished and set(dflash.heldout) >= {"loss", "acc_0"}
+    consumption = read_consumption(store, FAMILIES)
+    assert sorted(consumption) == sorted(keys) and all(c.complete and c.released for c in consumption.values())
+    assert hidden_state_bytes(store, keys) == 0
+    assert_each_row_trained_once_per_family(
+        store_dir, keys, {"eagle3": eagle3.total_steps, "dflash": dflash.total_steps}
+    )

@@ -3,7 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.settings import Settings, SettingsError, artifact_root, demo_settings, load_settings
+from eagle3_assets.settings import (
+    Settings,
+    SettingsError,
+    TrainingSettings,
+    artifact_root,
+    demo_settings,
+    load_settings,
+)
 from eagle3_assets.target import TargetModel, TargetModelError, resolve_aux_layer_ids
 
 
@@ -155,9 +162,10 @@ def test_a_prompt_file_without_held_out_prompts_cannot_be_evaluated_and_the_star
         ("drafters: [eagle3, dflash]\naux_layer_ids: [1, 2, 3]\ndflash: {aux_layer_ids: [1, 4]}\n",
          "(top level): Value error, dflash.aux_layer_ids: layers [4] are not among the stored aux_layer_ids [1, 2, 3]; "
          "the shards hold only those"),
-        ("drafters: [eagle3, dflash]\ntraining: {mode: rolling}\n",
-         "(top level): Value error, drafters: dflash with training.mode rolling is not supported yet (one window "
-         "feeding two trainers); use mode: offline, or train eagle3 alone"),
+        ("drafters: [eagle3, dflash]\ntraining: {mode: rolling, launch: {nnodes: 2, rdzv_endpoint: 'head:29500'}}\n",
+         "(top level): Value error, training.launch.nnodes: 2 nodes with training.mode rolling and drafters ['eagle3', "
+         "'dflash']: the families train at once, and their jobs would meet at the one training.launch.rdzv_endpoint "
+         "(head:29500); train them on one node each (nnodes: 1), or in mode: offline"),
     ],
 )
 def test_a_drafter_family_setting_that_cannot_be_trained_or_served_is_refused_naming_the_field(
@@ -167,6 +175,12 @@ def test_a_drafter_family_setting_that_cannot_be_trained_or_served_is_refused_na
     with pytest.raises(SettingsError) as e:
         load_settings(write_config(tmp_path, config))
     assert str(e.value) == f"invalid settings in {tmp_path / 'eagle3.yaml'}:\n  {message}"
+
+
+def test_both_families_train_in_rolling_mode_on_one_node():
+    """Issue 43: one window feeds both families' trainers (each shard released once both consumed it)."""
+    settings = Settings(drafters=["eagle3", "dflash"], training=TrainingSettings(mode="rolling"))
+    assert settings.training.rolling and settings.drafters == ["eagle3", "dflash"]
 
 
 def test_a_mask_token_outside_the_targets_vocabulary_is_refused_naming_the_field():

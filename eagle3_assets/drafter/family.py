@@ -30,15 +30,10 @@ from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import Targets, TargetWeights
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
-from eagle3_assets.settings import DRAFTER_FAMILIES, DFlashSettings, Settings, TrainingSettings
+from eagle3_assets.settings import DRAFTER_FAMILIES, DFlashSettings, Settings, TrainingSettings, family_root
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.vocab_map import VocabMap
-
-
-def family_root(name: str) -> str:
-    """The store directory of a family's outputs (module docstring)."""
-    return "" if name == "eagle3" else f"families/{name}"
 
 
 class Family(Protocol):

@@ -7,7 +7,11 @@ a `BatchLoader` over that shard alone. So a `DataPosition(epoch=k, batch=b)` nam
 of the pass, the step count (and with it the learning-rate schedule) covers the whole run,
 and a checkpoint resumes at the exact batch. Held-out rows are drawn from the first shard
 (a uniform slice of the shuffled rows) and copied to `drafter/heldout/` before it is
-released. The records that make release safe are in `shard_window.py`.
+released, where every family's trainer reads them (each copies what is not there yet before it
+records the first shard, and the shard is released only after every family recorded it).
+With several drafter families (`settings.drafters`) each trains in a trainer of its own, from
+the one window: a shard is released once every family consumed it. The records that make
+release safe are in `shard_window.py`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.hidden_states.manifest import ManifestError, ShardManifest
 from eagle3_assets.sample_file import manifest_path
+from eagle3_assets.settings import family_root
 from eagle3_assets.shard_window import (
+    EAGLE3,
     check_verdict,
     lost_sample_files,
     read_consumed_one,
     record_consumed,
-    release,
+    release_when_consumed,
+    window_dir,
     write_check_record,
 )
 from eagle3_assets.shards import Shard
@@ -146,7 +153,8 @@ def manifest_format(store: ArtifactStore, key: str) -> SampleFormat:
 
 @dataclass
 class ShardWindow:
-    """The trainer's side of the window: wait for a shard, and record and release it once learnt."""
+    """One family's side of the window: wait for a shard, and record it once learnt, releasing it once every family
+    training from the window (`families`) has."""
 
     store: ArtifactStore
     plan: RollingPlan
@@ -155,6 +163,13 @@ class ShardWindow:
     wait_s: float
     log: LogFn
     on_event: Callable[[dict], None] | None = None
+    family: str = EAGLE3  # whose records this trainer writes
+    families: tuple[str, ...] = (EAGLE3,)  # every family that must consume a shard before it is released
+
+    @property
+    def name(self) -> str:
+        """The family's drafter asset, as its log lines start."""
+        return "drafter" if self.family == EAGLE3 else f"drafter_{self.family}"
 
     def wait_for(self, k: int) -> SampleFormat:
         """Block until shard k passed its check (or was consumed already); its format from the manifest."""
@@ -162,17 +177,26 @@ class ShardWindow:
         start = time.monotonic()
         next_note = 0.0
         while True:
-            if read_consumed_one(self.store, key) is not None:
+            if read_consumed_one(self.store, key, self.family) is not None:
                 return manifest_format(self.store, key)
             verdict = check_verdict(self.store, key)
             if verdict == "passed" and (lost := lost_sample_files(self.store, key)) is not None:
                 if self.is_main:  # it reads as failed wherever the window is read (UI, the next run's refusal)
                     write_check_record(self.store, key, passed=False, problems=1)
+                if released_by := self._released_by_others(key):
+                    records = self.store.url_of(window_dir(self.family))
+                    raise ShardFailedError(
+                        f"shard {key} (#{k + 1} of {len(self.plan.keys)} in training order) was released once "
+                        f"{', '.join(released_by)} consumed it, before {self.family} did: {self.family} joined the "
+                        f"rolling pass after it began (or its records under {records} were removed): {lost}. "
+                        f"Materialize the shard again (the window admits it until {self.family} consumed it, and its "
+                        f"rows are extracted again), then materialize `{self.name}`"
+                    )
                 raise ShardFailedError(
                     f"shard {key} (#{k + 1} of {len(self.plan.keys)} in training order) lost sample files after its "
                     f"integrity check passed: {lost}. It now reads as failed: training stops at it, and no later "
-                    "shard is trained before it. Materialize the shard again (its missing rows are extracted), then "
-                    "materialize `drafter`"
+                    f"shard is trained before it. Materialize the shard again (its missing rows are extracted), then "
+                    f"materialize `{self.name}`"
                 )
             if verdict == "passed":
                 return manifest_format(self.store, key)
@@ -180,18 +204,24 @@ class ShardWindow:
                 raise ShardFailedError(
                     f"shard {key} (#{k + 1} of {len(self.plan.keys)} in training order) failed its integrity check: "
                     "training stops at it, and no later shard is trained before it. Repair it (the `verify_shards` "
-                    "job names the bad files; materialize the shard again), then materialize `drafter`"
+                    f"job names the bad files; materialize the shard again), then materialize `{self.name}`"
                 )
             waited = time.monotonic() - start
             if waited > self.wait_s:
                 raise ShardWaitTimeout(
                     f"shard {key} (#{k + 1} of {len(self.plan.keys)}) has not passed its integrity check after "
-                    f"{waited:.0f} s (training.shard_wait_s={self.wait_s:g}); is extraction running? The next run "
-                    "resumes from the newest checkpoint"
+                    f"{waited:.0f} s (training.shard_wait_s={self.wait_s:g}); is extraction running"
+                    + (
+                        ""
+                        if len(self.families) == 1
+                        else f", and the trainer of every family ({', '.join(self.families)}): the window moves on "
+                        "once all of them consumed a shard"
+                    )
+                    + "? The next run resumes from the newest checkpoint"
                 )
             if self.is_main and waited >= next_note:
                 state = "extracted, awaiting its check" if self.store.exists(manifest_path(key)) else "not extracted yet"
-                self.log(f"drafter: waiting for shard {key} (#{k + 1} of {len(self.plan.keys)}): {state}")
+                self.log(f"{self.name}: waiting for shard {key} (#{k + 1} of {len(self.plan.keys)}): {state}")
                 next_note = waited + 60.0
             time.sleep(self.poll_s)
 
@@ -200,29 +230,49 @@ class ShardWindow:
             self.on_event({"shard": self.plan.keys[k], "state": "training"})
 
     def consumed(self, k: int, step: int) -> None:
-        """Shard k's last batch was step `step`, and checkpoint step_<step> is published: record, then release."""
+        """Shard k's last batch was step `step`, and checkpoint step_<step> is published: record, then release once
+        every family has."""
         if self.is_main:
-            key = self.plan.keys[k]
-            if k == 0:
-                self._keep_heldout()
-            record = record_consumed(self.store, key, step=step, checkpoint=checkpoint_rel(step))
-            crash_point(f"recorded:{key}")
-            done = release(self.store, record)
-            crash_point(f"released:{key}")
-            self.log(f"drafter: shard {key} consumed at step {step}; released {done.bytes_released:,} bytes")
-            if self.on_event is not None:
-                self.on_event({"shard": key, "state": "released", "step": step, "bytes_released": done.bytes_released})
+            self._consume(k, step)
         barrier()
 
+    def _consume(self, k: int, step: int) -> None:
+        key = self.plan.keys[k]
+        if k == 0:
+            self._keep_heldout()
+        checkpoint = f"{family_root(self.family)}/{checkpoint_rel(step)}".lstrip("/")
+        record = record_consumed(self.store, key, step=step, checkpoint=checkpoint, family=self.family)
+        crash_point(f"recorded:{key}")
+        done, waiting = release_when_consumed(self.store, record, self.family, self.families)
+        crash_point(f"released:{key}")
+        if waiting:
+            self.log(
+                f"{self.name}: shard {key} consumed at step {step}; kept on disk until {', '.join(waiting)} consumed it"
+            )
+        else:
+            self.log(f"{self.name}: shard {key} consumed at step {step}; released {done.bytes_released:,} bytes")
+        if self.on_event is not None:
+            state = "consumed" if waiting else "released"
+            self.on_event({"shard": key, "state": state, "step": step, "bytes_released": done.bytes_released})
+
     def reconcile(self, next_shard: int, steps_before: Callable[[int], int]) -> None:
-        """After a resume: every shard before `next_shard` is learnt by the checkpoint; finish its record and release."""
-        for k in range(next_shard):
-            record = read_consumed_one(self.store, self.plan.keys[k])
-            if record is None or not record.released:
-                self.consumed(k, steps_before(k + 1))
+        """After a resume: every shard before `next_shard` is learnt by the checkpoint; finish its record, and its
+        release when every family has consumed it. Rank 0 decides and writes, alone: the others wait for it once."""
+        if self.is_main:
+            for k in range(next_shard):
+                key = self.plan.keys[k]
+                record = read_consumed_one(self.store, key, self.family)
+                if record is not None and (record.released or self._released_by_others(key)):
+                    continue
+                self._consume(k, steps_before(k + 1))
+        barrier()
+
+    def _released_by_others(self, key: str) -> list[str]:
+        """The other families whose trainer released shard `key` (deleted its files)."""
+        others = [f for f in self.families if f != self.family]
+        return [f for f in others if (r := read_consumed_one(self.store, key, f)) is not None and r.released]
 
     def _keep_heldout(self) -> None:
         for ref in self.plan.heldout:
             if not self.store.exists(ref.rel):
                 self.store.write_bytes(ref.rel, self.store.read_bytes(SampleRef(ref.shard, ref.row, ref.length).rel))
-

@@ -75,7 +75,7 @@ def train_and_export(
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
         on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
-        family=trained, continuation=plan if plan.continues else None,
+        family=trained, continuation=plan if plan.continues else None, window_families=settings.drafters,
     )  # fmt: skip
     out = store.child(trained.root)
     best = result.best

@@ -111,14 +111,19 @@ def rolling_data(
     *,
     log: Callable[[str], None],
     on_shard: ShardEventCallback | None,
+    family: str = "eagle3",
+    families: Sequence[str] = (),
 ) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow]:
-    """One pass planned from the tokenized set; the first shard (once checked) decides the format."""
+    """One pass planned from the tokenized set; the first shard (once checked) decides the format. `family` records
+    what it consumed; a shard is released once every one of `families` (`settings.drafters`; `family` alone when
+    empty) has."""
     plan = RollingPlan.from_tokenized(
         TokenizedSet.load(store), shard_keys, heldout_rows=settings.heldout_rows, seed=settings.seed
     )
     window = ShardWindow(
-        store, plan, env.is_main, poll_s=SHARD_POLL_S, wait_s=settings.shard_wait_s, log=log, on_event=on_shard
-    )
+        store, plan, env.is_main, poll_s=SHARD_POLL_S, wait_s=settings.shard_wait_s, log=log, on_event=on_shard,
+        family=family, families=tuple(dict.fromkeys([*families, family])),
+    )  # fmt: skip
     fmt = window.wait_for(0)
 
     def ready(k: int) -> None:

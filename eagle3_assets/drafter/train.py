@@ -412,6 +412,7 @@ def _prepare(
     on_shard: ShardEventCallback | None,
     inputs: Mapping[str, str] | None = None,
     continuation: ContinuationPlan | None = None,
+    window_families: Sequence[str] = (),
 ) -> _Run:
     window = None
     continued = None
@@ -427,8 +428,9 @@ def _prepare(
         settings = settings.model_copy(update={"steps": continued.steps, "warmup_steps": short_warmup})
     elif settings.rolling:
         fmt, loader, held, window = rolling_data(
-            store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard
-        )
+            store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard, family=family.name,
+            families=window_families,
+        )  # fmt: skip
     else:
         fmt, loader, held = offline_data(store, shard_keys, settings, env, data_workers)
     _check_inputs(fmt, target, vmap)
@@ -570,6 +572,7 @@ def train_drafter(
     other_run: OtherRun = "refuse",
     family: Family | None = None,
     continuation: ContinuationPlan | None = None,
+    window_families: Sequence[str] = (),
 ) -> TrainResult:
     """Train (or continue training) the drafter on `shard_keys`; see the module docstring.
 
@@ -583,6 +586,8 @@ def train_drafter(
     training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
     0 when one starts training and when it is released. `continuation` (offline only, `continuation.py`) starts
     the model from the release's weights and trains on the new shards plus a replay of old rows, for its own steps.
+    `window_families` (`settings.drafters`) are the families training from the one window: a shard is released once
+    each has consumed it (`family` alone when empty).
     """
     family = family or Eagle3(settings)
     env = DistEnv.from_environ()
@@ -593,6 +598,7 @@ def train_drafter(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings, family=family,
             intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard, inputs=inputs,
             continuation=continuation,
+            window_families=window_families,
         )  # fmt: skip
         settings = run.settings  # a continuation's schedule is its own
         step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})

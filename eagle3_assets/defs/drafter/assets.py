@@ -4,6 +4,7 @@
 replaced only by one that serves at least as well."""
 
 import json
+from collections.abc import Sequence
 
 from dagster import (
     AssetCheckResult,
@@ -24,7 +25,7 @@ from eagle3_assets.defs.drafter.launch import train_with_torchrun
 from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
 from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import to_metadata
-from eagle3_assets.defs.ops.runs import GPU_POOL, TRAINER_POOL
+from eagle3_assets.defs.ops.runs import GPU_POOL, trainer_pool
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
@@ -65,10 +66,13 @@ DRAFTER_DOCS = {
 }
 
 
-def drafter_asset(training: TrainingSettings, family: str = "eagle3") -> AssetsDefinition:
+def drafter_asset(
+    training: TrainingSettings, family: str = "eagle3", families: Sequence[str] = ("eagle3",)
+) -> AssetsDefinition:
     """A family's drafter asset (`drafter` for EAGLE-3, `drafter_<family>` for the others). Offline it holds the
-    `gpu` pool like every GPU step. Rolling, it trains while shards are extracted, so it takes its own `trainer`
-    pool: holding `gpu` while it waits for a shard would keep that shard's extraction from ever starting."""
+    `gpu` pool like every GPU step. Rolling, it trains while shards are extracted, so it takes a `trainer` pool of
+    its family's own (`trainer_pool`): holding `gpu` while it waits for a shard would keep that shard's extraction
+    from ever starting, and every family (`families`, `settings.drafters`) trains from the window at once."""
 
     rolling = training.rolling
     name = drafter_artifact(family)
@@ -77,11 +81,11 @@ def drafter_asset(training: TrainingSettings, family: str = "eagle3") -> AssetsD
         key=drafter_key(family),
         group_name=GROUP,
         deps=[vocab_map, HIDDEN_STATES, target_model],
-        pool=TRAINER_POOL if rolling else GPU_POOL,
+        pool=trainer_pool(family) if rolling else GPU_POOL,
         kinds={"pytorch"},
         description=f"{DRAFTER_DOCS[family]}, trained on every shard (resumes from its last checkpoint), then "
-        "exported. Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint has learnt "
-        "it. Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`).",
+        "exported. Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint of every "
+        "family has learnt it. Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`).",
     )
     def drafter(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
         store = project.store
@@ -92,9 +96,9 @@ def drafter_asset(training: TrainingSettings, family: str = "eagle3") -> AssetsD
             raise refusal("no hidden-state shards are registered: materialize `tokenized` first")
         reporter: WindowReporter | None = None
         if rolling:
-            if (refused := rolling_refusal(store, keys)) is not None:
+            if (refused := rolling_refusal(store, keys, family)) is not None:
                 raise refused
-            reporter = WindowReporter(context, store, keys, training.window_shards)
+            reporter = WindowReporter(context, store, keys, training.window_shards, families=families)
             reporter.poll(force=True)
         elif bad := unusable_shards(context.instance, project, keys):
             listing = "; ".join(f"{k}: {why}" for k, why in bad.items())

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 
 from eagle3_assets.processes import machine_id, process_alive, process_started_at
+from eagle3_assets.settings import DRAFTER_FAMILIES
 
 # The run tag Dagster's run retries read (documented under "Run retries"; its constant is not public).
 MAX_RETRIES_TAG = "dagster/max_retries"
@@ -37,6 +38,17 @@ MACHINE_TAG = "eagle3/machine"
 GPU_POOL = "gpu"
 TRAINER_POOL = "trainer"  # rolling training, which runs beside extraction (defs/drafter/assets.py)
 LIVE = (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING)
+
+
+def trainer_pool(family: str) -> str:
+    """The pool of `family`'s rolling trainer: `trainer` for EAGLE-3 (as before there were families),
+    `trainer_<family>` for the others. One per family, each of the instance's default limit (1): the families train
+    from one window at once (a shard is released once all of them consumed it), so two trainers in one pool of one
+    slot would wait on each other until `training.shard_wait_s` ran out."""
+    return TRAINER_POOL if family == "eagle3" else f"{TRAINER_POOL}_{family}"
+
+
+TRAINER_POOLS = tuple(trainer_pool(f) for f in DRAFTER_FAMILIES)
 
 
 def process_tags(run_id: str, pid: int | None = None) -> dict[str, str]:
@@ -101,7 +113,7 @@ def pool_limit(instance: DagsterInstance, pool: str = GPU_POOL) -> int | None:
 
 
 def sweep_dead_runs(
-    instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_POOL, TRAINER_POOL), alerted_by: str | None = None
+    instance: DagsterInstance, *, pools: tuple[str, ...] = (GPU_POOL, *TRAINER_POOLS), alerted_by: str | None = None
 ) -> list[str]:
     """Fail every live-looking run of this machine whose process is gone and free its slots; free slots
     of finished runs. Returns one line per run it acted on. `alerted_by`: the sensor that alerts on

@@ -54,7 +54,9 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
         shard = Shard.parse(context.partition_key)
         store, settings = project.store, project.settings
         if settings.training.rolling:
-            window = Window.read(store, registered_shard_keys(context.instance), settings.training.window_shards)
+            window = Window.read(
+                store, registered_shard_keys(context.instance), settings.training.window_shards, settings.drafters
+            )
             if (refused := window.refusal(shard.key)) is not None:
                 raise refusal(refused)
         final: dict[str, float | int] = {}

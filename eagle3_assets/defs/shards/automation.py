@@ -36,7 +36,8 @@ class InRollingWindow(AutomationCondition):
 
     def evaluate(self, context: AutomationContext) -> AutomationResult:
         keys = registered_shard_keys(context.asset_graph_view.instance)
-        window = Window.read(self.project.store, keys, self.project.settings.training.window_shards)
+        settings = self.project.settings
+        window = Window.read(self.project.store, keys, settings.training.window_shards, settings.drafters)
         return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(set(window.admitted())))
 
 

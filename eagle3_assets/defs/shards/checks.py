@@ -3,8 +3,10 @@ dtypes and tokens, finite and not all zero.
 
 Each verdict is also recorded in the store beside the manifest it judged (`shard_window.py`):
 rolling training, wherever it runs, trains a shard only on a passed record. A shard that rolling
-training consumed and released has no files left to check: it is reported as released, at the
-step that learnt it, never as bad; one it has not extracted yet as not extracted yet, with no verdict.
+training consumed (every drafter family of `settings.drafters`) and released has no files left to
+check: it is reported as released, at the step that learnt it, never as bad; one some family has
+not consumed yet keeps its files and is checked; one it has not extracted yet as not extracted
+yet, with no verdict.
 """
 
 from collections.abc import Iterator
@@ -32,14 +34,14 @@ from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.hidden_states.integrity import ShardCheckReport, check_shards
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import manifest_path
-from eagle3_assets.shard_window import ConsumedShard, read_consumed, write_check_record
+from eagle3_assets.shard_window import Consumption, consumed_by_all, write_check_record
 from eagle3_assets.shards import Shard
 from eagle3_assets.tokenized import TokenizedSet
 
 CHECK_NAME = "shard_integrity"
 
 
-def not_extracted_yet(project: Project, keys: list[str], consumed: dict[str, ConsumedShard]) -> list[str]:
+def not_extracted_yet(project: Project, keys: list[str], consumed: dict[str, Consumption]) -> list[str]:
     """Rolling mode: the shards extraction has not finished yet (no manifest), which the window admits in turn:
     nothing to judge, and no reason to record a failed check. Offline every shard is due, and a missing one fails."""
     if not project.settings.training.rolling:
@@ -49,12 +51,12 @@ def not_extracted_yet(project: Project, keys: list[str], consumed: dict[str, Con
 
 def check_registered_shards(
     project: Project, keys: list[str]
-) -> tuple[list[ShardCheckReport], dict[str, ConsumedShard], list[str]]:
+) -> tuple[list[ShardCheckReport], dict[str, Consumption], list[str]]:
     """Check shards against the tokenized set and the target's shape, recording each verdict; nothing is
-    re-extracted. Returns the reports, the shards skipped because training consumed them, and those skipped
-    because rolling extraction has not reached them yet."""
+    re-extracted. Returns the reports, the shards skipped because training (every family) consumed them, and those
+    skipped because rolling extraction has not reached them yet."""
     store = project.store
-    consumed = {k: c for k, c in read_consumed(store).items() if k in keys}
+    consumed = {k: c for k, c in consumed_by_all(store, project.settings.drafters).items() if k in keys}
     pending = not_extracted_yet(project, keys, consumed)
     with failures():
         target = project.target()
@@ -72,12 +74,20 @@ def check_registered_shards(
     return reports, consumed, pending
 
 
-def released_check_result(record: ConsumedShard) -> AssetCheckResult:
+def released_check_result(record: Consumption) -> AssetCheckResult:
+    steps = {"consumed_at_step": record.step} | (
+        {f"consumed_at_step_{f}": r.step for f, r in record.records.items()} if len(record.families) > 1 else {}
+    )
     return AssetCheckResult(
         passed=True,
         severity=AssetCheckSeverity.ERROR,
-        metadata={"state": "released" if record.released else "consumed", "consumed_at_step": record.step},
-        description=f"trained through step {record.step} ({record.checkpoint}); its sample files are deleted",
+        metadata={"state": "released" if record.released else "consumed", **steps},
+        description=(
+            f"trained through step {record.step} ({record.records[record.families[0]].checkpoint})"
+            if len(record.families) == 1
+            else f"trained, {record.describe()}"
+        )
+        + "; its sample files are deleted",
     )
 
 
