@@ -42,7 +42,7 @@ run: install
 # the CI log before it hits the budget.
 TEST_WORKERS ?= 2
 test: install ui-deps
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 eagle3_assets_tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 eagle3_assets_tests
 
 # For iterating: no model training, no servers, no vLLM (the tests not marked slow): under 3 minutes.
 test-fast: install

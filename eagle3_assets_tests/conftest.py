@@ -77,6 +77,22 @@ _suite_started = time.monotonic()
 _test_seconds: dict[str, float] = {}
 
 
+# The modules that take longest, longest first (their wall time in the 2026-12-05 fresh-clone `make test`: the
+# small demo ~7 min, the provenance table ~6 min, ...). `make test` hands whole modules to its two workers in
+# collection order (`--dist loadfile --no-loadscope-reorder`); starting the longest first keeps one worker from
+# being handed the small demo when the other is nearly done, which left it running alone for minutes.
+LONGEST_FIRST = (
+    "test_demo_quality.py", "test_provenance.py", "test_start.py", "test_rolling.py", "test_stop.py",
+    "test_real_target.py", "test_vllm_cores.py", "test_ui.py", "test_vllm_servers.py", "test_drafter_vllm.py",
+    "test_demo_target.py", "test_automation.py", "test_vllm_extraction.py", "test_pipeline.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its own order
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # On the controller under xdist this sees every worker's reports: setup, call and teardown.
     _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration

@@ -207,7 +207,9 @@ def test_definitions_load_from_the_environment_and_bad_settings_fail_at_load(tmp
     env.pop("EAGLE3_CONFIG", None)
     code = "from eagle3_assets.definitions import defs; print(sorted(k.to_user_string() for k in defs.resolve_all_asset_keys()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.strip().replace("'", '"')) == sorted(DATA_ASSETS + ["hidden_states", "drafter", "drafter_eval", "drafter_release"])
+    assert json.loads(out.strip().replace("'", '"')) == sorted(
+        DATA_ASSETS + ["hidden_states", "drafter", "drafter_eval", "drafter_dflash", "drafter_eval_dflash", "drafter_release"]
+    )  # the demo trains both drafter families
 
     (tmp_path / "bad.yaml").write_text("draft_vocab_size: 0\naux_layer_ids: [3, 3, 4]\n")
     env["EAGLE3_CONFIG"] = str(tmp_path / "bad.yaml")
