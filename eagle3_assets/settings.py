@@ -16,7 +16,6 @@ import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS as SERVED_SPECULATIVE_TOKENS
 from eagle3_assets.errors import Refusal
 from eagle3_assets.storage_dtypes import StorageDtype
 
@@ -85,6 +84,8 @@ class ExtractionSettings(_Section):
 
 MAX_RANKS_PER_NODE = 256
 DRAFTER_FAMILIES = ("eagle3", "dflash")
+# The speculative token counts drafter_eval serves every drafter at, and the training-time estimate predicts.
+SPECULATIVE_TOKENS = (3, 7)
 
 
 def family_root(name: str) -> str:
@@ -501,11 +502,11 @@ class Settings(_Section):
         if "dflash" not in self.drafters:
             return self
         d = self.dflash
-        if d.block_size < max(SERVED_SPECULATIVE_TOKENS):
+        if d.block_size < max(SPECULATIVE_TOKENS):
             raise ValueError(
                 f"dflash.block_size: {d.block_size} mask slots, but drafter_eval serves "
-                f"{max(SERVED_SPECULATIVE_TOKENS)} speculative tokens and vLLM would draft the slots past the block "
-                f"untrained; set it to at least {max(SERVED_SPECULATIVE_TOKENS)}"
+                f"{max(SPECULATIVE_TOKENS)} speculative tokens and vLLM would draft the slots past the block "
+                f"untrained; set it to at least {max(SPECULATIVE_TOKENS)}"
             )
         if d.block_size + 2 > self.max_seq_len:
             raise ValueError(f"dflash.block_size: {d.block_size} does not fit a row of max_seq_len {self.max_seq_len}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-SPECULATIVE_TOKENS = (3, 7)  # the speculative token counts `drafter_eval` serves, and the estimate predicts
+from eagle3_assets.settings import SPECULATIVE_TOKENS
 
 
 def chain_runs(hits: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
