@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
 from eagle3_assets.drafter.export import (
     ExportError,
+    checked_aux_ids,
     checked_tensors,
     publish_export,
-    rope_scaling,
+    rotary_config,
     tensor_problems,
     trained_on_writer,
 )
@@ -74,9 +75,7 @@ def dflash_export_config(
     max_position_embeddings: int | None = None,
 ) -> dict[str, Any]:
     """config.json: Qwen3 layers marked as a DFlash drafter, with the target layers its context reads."""
-    ids = [int(i) for i in aux_layer_ids]
-    if len(ids) != cfg.num_aux_layers or len(set(ids)) != len(ids) or min(ids) < 1:
-        raise ExportError(f"aux_layer_ids {ids}: need {cfg.num_aux_layers} distinct 'input of layer i' ids >= 1")
+    ids = checked_aux_ids(aux_layer_ids, cfg.num_aux_layers)
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -89,9 +88,7 @@ def dflash_export_config(
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope["rope_theta"],
-        "rope_parameters": dict(cfg.rope),
-        **({"rope_scaling": rope_scaling(cfg.rope)} if cfg.rope.get("rope_type", "default") != "default" else {}),
+        **rotary_config(cfg.rope),
         # Rotate-half rotary, as trained (`model.apply_rotary`): a wrong layout lowers acceptance without an error.
         "is_neox_style": True,
         "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),

@@ -109,13 +109,28 @@ def rope_scaling(rope: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rope.items() if k != "rope_theta"} | {"type": rope["rope_type"]}
 
 
+def rotary_config(rope: dict[str, Any]) -> dict[str, Any]:
+    """The target's rotary embedding, scaling included, as a drafter's config.json declares it: transformers 5 and
+    vLLM read `rope_parameters`; older readers `rope_theta` and `rope_scaling`."""
+    scaled = rope.get("rope_type", "default") != "default"
+    return {"rope_theta": rope["rope_theta"], "rope_parameters": dict(rope)} | (
+        {"rope_scaling": rope_scaling(rope)} if scaled else {}
+    )
+
+
+def checked_aux_ids(aux_layer_ids: list[int], count: int) -> list[int]:
+    """The aux layer ids an export declares: `count` distinct "input of layer i" ids >= 1, or ExportError."""
+    ids = [int(i) for i in aux_layer_ids]
+    if len(ids) != count or len(set(ids)) != len(ids) or min(ids) < 1:
+        raise ExportError(f"aux_layer_ids {ids}: need {count} distinct 'input of layer i' ids >= 1")
+    return ids
+
+
 def export_config(
     cfg: DrafterConfig, *, aux_layer_ids: list[int], dtype: str, max_position_embeddings: int | None = None
 ) -> dict[str, Any]:
     """config.json: a one-layer Llama marked as an EAGLE-3 drafter, with the aux layers for both engines."""
-    ids = [int(i) for i in aux_layer_ids]
-    if len(ids) != cfg.num_aux_layers or len(set(ids)) != len(ids) or min(ids) < 1:
-        raise ExportError(f"aux_layer_ids {ids}: need {cfg.num_aux_layers} distinct 'input of layer i' ids >= 1")
+    ids = checked_aux_ids(aux_layer_ids, cfg.num_aux_layers)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -127,11 +142,7 @@ def export_config(
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        # The target's rotary embedding, scaling included: what the drafter was trained with.
-        # transformers 5 and vLLM read rope_parameters; older readers rope_theta and rope_scaling.
-        "rope_theta": cfg.rope["rope_theta"],
-        "rope_parameters": dict(cfg.rope),
-        **({"rope_scaling": rope_scaling(cfg.rope)} if cfg.rope.get("rope_type", "default") != "default" else {}),
+        **rotary_config(cfg.rope),  # what the drafter was trained with
         # At least the target's context: a shorter one gave very low acceptance in SpecForge.
         "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),
         "vocab_size": cfg.vocab_size,
