@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny untrained demo target (seconds to build) and tiny pipeline settings."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -11,8 +13,11 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
-# The target's file digests (`file_digests.py`) are cached in a directory of the test session, never the user's.
-os.environ.setdefault("EAGLE3_DIGEST_CACHE", tempfile.mkdtemp(prefix="eagle3-digests-"))
+# The target's file digests (`file_digests.py`) are cached in a directory of the test session, never the user's,
+# removed when the process that made it exits (xdist's workers inherit the controller's).
+if "EAGLE3_DIGEST_CACHE" not in os.environ:
+    os.environ["EAGLE3_DIGEST_CACHE"] = tempfile.mkdtemp(prefix="eagle3-digests-")
+    atexit.register(shutil.rmtree, os.environ["EAGLE3_DIGEST_CACHE"], ignore_errors=True)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `pytest -n 2` each worker owns one core's worth of compute: its torch, and every
     # process it starts (torchrun ranks, the start command), runs one thread, so two workers
