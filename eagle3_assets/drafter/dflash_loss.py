@@ -21,16 +21,7 @@ from torch import nn
 from eagle3_assets.drafter.acceptance import chain_runs
 from eagle3_assets.drafter.dflash_model import DFlashDrafter
 from eagle3_assets.drafter.target_head import Targets
-from eagle3_assets.drafter.ttt import (
-    Loss,
-    LossPositions,
-    TTTOutput,
-    averaged_positions,
-    draft_hits,
-    predicted_targets,
-    trained_positions,
-    ttt_step_loss,
-)
+from eagle3_assets.drafter.ttt import Loss, LossPositions, StepScores, TTTOutput, trained_positions
 
 
 def decay_weight(loss_decay: float) -> float:
@@ -80,28 +71,9 @@ def dflash_forward(
     anchors = choose_anchors(trained[0], anchors_per_row, generator)  # [B, N]
     real = anchors >= 0
     index = anchors.clamp(min=0)
-    w = decay_weight(loss_decay)
-    total = torch.zeros((), device=aux.device)
-    losses, correct, counted, averaged, hits = [], [], [], [], []
-    for k, logits in enumerate(model(input_ids, aux, anchors, positions, segments)):  # [B, N, Vd] per slot
-        predicted = predicted_targets(targets, index, k)
-        trained_k = trained[k].gather(1, index) & real  # [B, N]
-        kept_k = trained_k & predicted.in_draft
-        loss_k, c, n = ttt_step_loss(logits, predicted, trained_k, kept_k, inner.d2t, loss)
-        total = total + w**k * loss_k
-        losses.append(loss_k)
-        correct.append(c)
-        counted.append(n)
-        averaged.append(averaged_positions(trained_k, kept_k, loss).sum())
-        hits.append(draft_hits(logits, predicted.argmax, kept_k, inner.d2t))
-    terms = torch.stack(losses)
-    runs = chain_runs(torch.stack(hits), trained[0].gather(1, index) & real)
-    return TTTOutput(
-        total,
-        terms.detach(),
-        torch.stack(correct),
-        torch.stack(counted),
-        torch.stack(averaged),
-        terms,
-        runs,
-    )
+    scores = StepScores(targets, inner.d2t, loss, decay_weight(loss_decay), aux.device)
+    hits = [
+        scores.add(k, logits, index, trained[k].gather(1, index) & real)  # logits [B, N, Vd] per slot
+        for k, logits in enumerate(model(input_ids, aux, anchors, positions, segments))
+    ]
+    return scores.output(chain_runs(torch.stack(hits), trained[0].gather(1, index) & real))

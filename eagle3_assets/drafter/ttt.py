@@ -145,6 +145,44 @@ def draft_hits(logits: torch.Tensor, top1: torch.Tensor, kept: torch.Tensor, d2t
     return ((draft_top1 + d2t[draft_top1]) == top1) & kept
 
 
+class StepScores:
+    """Step k's (or a block's slot k's) logits scored as they come, into one `TTTOutput`: the loss against the
+    target's distribution at each index's step-k position, weighted `weight`**k, the acc_k counts and the draft hits
+    behind the acceptance estimate. Both families' objectives score through it (`dflash_loss.py`)."""
+
+    def __init__(self, targets: Targets, d2t: torch.Tensor, loss: Loss, weight: float, device: torch.device):
+        self.targets, self.d2t, self.loss, self.weight = targets, d2t, loss, weight
+        self.total = torch.zeros((), device=device)
+        self.losses: list[torch.Tensor] = []
+        self.correct: list[torch.Tensor] = []
+        self.counted: list[torch.Tensor] = []
+        self.averaged: list[torch.Tensor] = []
+
+    def add(self, k: int, logits: torch.Tensor, index: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+        """Score step k's logits [B, Tk, Vd] at `index` [B, Tk] where `trained` [B, Tk]; its hits, bool [B, Tk]."""
+        predicted = predicted_targets(self.targets, index, k)
+        kept = trained & predicted.in_draft
+        loss_k, correct, counted = ttt_step_loss(logits, predicted, trained, kept, self.d2t, self.loss)
+        self.total = self.total + self.weight**k * loss_k
+        self.losses.append(loss_k)
+        self.correct.append(correct)
+        self.counted.append(counted)
+        self.averaged.append(averaged_positions(trained, kept, self.loss).sum())
+        return draft_hits(logits, predicted.argmax, kept, self.d2t)
+
+    def output(self, runs: torch.Tensor) -> TTTOutput:
+        terms = torch.stack(self.losses)
+        return TTTOutput(
+            self.total,
+            terms.detach(),
+            torch.stack(self.correct),
+            torch.stack(self.counted),
+            torch.stack(self.averaged),
+            terms,
+            runs,
+        )
+
+
 def ttt_forward(
     model: Eagle3Drafter | nn.Module,
     input_ids: torch.Tensor,
@@ -171,27 +209,15 @@ def ttt_forward(
     trained = torch.stack([trained_positions(loss_mask, lengths, k, loss_positions, segments) for k in range(num_steps)])
     indices = step_indices(needed_indices(trained)) if skip_unscored else None
     every_index = torch.arange(T, device=aux.device).expand(B, T)  # step 0 runs at all of them
-    losses, correct, counted, averaged, hits = [], [], [], [], []
-    total = torch.zeros((), device=aux.device)
+    scores = StepScores(targets, inner.d2t, loss, step_weight, aux.device)
+    hits = []
     for k, logits in enumerate(model(input_ids, aux, num_steps, positions, segments, indices)):
         at: StepIndices | None = indices[k - 1] if indices is not None and k > 0 else None
         index = every_index if at is None else at.index
-        predicted = predicted_targets(targets, index, k)
         trained_k = trained[k].gather(1, index)  # [B, Tk]
         if at is not None:
             trained_k &= at.valid
-        kept_k = trained_k & predicted.in_draft
-        loss_k, c, n = ttt_step_loss(logits, predicted, trained_k, kept_k, inner.d2t, loss)
-        total = total + step_weight**k * loss_k
-        losses.append(loss_k)
-        correct.append(c)
-        counted.append(n)
-        averaged.append(averaged_positions(trained_k, kept_k, loss).sum())
+        hit = scores.add(k, logits, index, trained_k).long()
         # Back to [B, T]: padding slots of a step's layout are never kept, so they add nothing.
-        hit = draft_hits(logits, predicted.argmax, kept_k, inner.d2t).long()
         hits.append(torch.zeros(B, T, dtype=torch.long, device=aux.device).scatter_add_(1, index, hit) > 0)
-    terms = torch.stack(losses)
-    runs = chain_runs(torch.stack(hits), trained[0])
-    return TTTOutput(
-        total, terms.detach(), torch.stack(correct), torch.stack(counted), torch.stack(averaged), terms, runs
-    )
+    return scores.output(chain_runs(torch.stack(hits), trained[0]))
