@@ -25,77 +25,27 @@ size, A = len(aux layers) x H the fused context width, nh/nkv query/kv heads, hd
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_assets.drafter.model import (
-    MLP,
-    RMSNorm,
-    apply_rotary,
-    rotary_cos_sin,
-    rotary_frequencies,
-)
-from eagle3_assets.target import TargetModel
+from eagle3_assets.drafter.model import MLP, DrafterModule, DrafterShape, RMSNorm, apply_rotary, rotary_cos_sin
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
-    hidden_size: int  # H, the target's hidden size
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # V
-    draft_vocab_size: int  # Vd
-    num_aux_layers: int  # how many target layers the context fuses
+class DFlashConfig(DrafterShape):
+    """The DFlash drafter: the target's shape (`num_aux_layers` the layers its context fuses) and its own fields."""
+
     num_layers: int = 1
     block_size: int = 7  # K mask slots per block: the tokens drafted per target forward
     mask_token_id: int = 0
-    rms_norm_eps: float = 1e-6
-    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        if self.head_dim < 32:
-            raise ValueError(f"head_dim {self.head_dim} < 32: vLLM cannot serve it (docs/DESIGN.md §6)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        super().__post_init__()
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside 1..vocab_size ({self.vocab_size})")
-
-    @classmethod
-    def from_target(
-        cls, target: TargetModel, *, draft_vocab_size: int, num_aux_layers: int, intermediate_size: int | None = None,
-        **options: Any,
-    ) -> DFlashConfig:  # fmt: skip
-        """Layers shaped like the target's, with its rotary embedding; `options` are num_layers, block_size,
-        mask_token_id."""
-        return cls(
-            hidden_size=target.hidden_size,
-            num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.head_dim,
-            intermediate_size=int(intermediate_size or target.intermediate_size),
-            vocab_size=target.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            num_aux_layers=num_aux_layers,
-            rms_norm_eps=target.rms_norm_eps,
-            rope=dict(target.rope),
-            max_position_embeddings=target.max_context or 4096,
-            **options,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def block_attention_mask(
@@ -182,7 +132,9 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DrafterModule):
+    config: DFlashConfig
+
     def __init__(
         self,
         cfg: DFlashConfig,
@@ -190,49 +142,17 @@ class DFlashDrafter(nn.Module):
         t2d: torch.Tensor,
         embed_tokens: torch.Tensor | None = None,
     ):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg, d2t, t2d, embed_tokens)
         h = cfg.hidden_size
-        # The target's embedding [V, H], frozen and never exported: vLLM shares the target's.
-        if embed_tokens is None:
-            embed_tokens = torch.zeros(cfg.vocab_size, h)
-        if tuple(embed_tokens.shape) != (cfg.vocab_size, h):
-            raise ValueError(f"embedding is {list(embed_tokens.shape)}, expected [{cfg.vocab_size}, {h}]")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h, _weight=embed_tokens.detach(), _freeze=True)
         # The mask slots' input, trained: exported as `mask_embedding.pt`, which vLLM puts in place of the mask
         # token's row, so the mask token may be any id the text never holds.
-        self.mask_embedding = nn.Parameter(embed_tokens[cfg.mask_token_id].detach().float().clone())
+        self.mask_embedding = nn.Parameter(self.embed_tokens.weight[cfg.mask_token_id].detach().float().clone())
         self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        d2t, t2d = (
-            torch.as_tensor(d2t, dtype=torch.int64),
-            torch.as_tensor(t2d, dtype=torch.bool),
-        )
-        if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
-            raise ValueError(
-                f"vocab map shapes d2t {list(d2t.shape)}, t2d {list(t2d.shape)} do not fit "
-                f"draft_vocab_size {cfg.draft_vocab_size} / vocab_size {cfg.vocab_size}"
-            )
-        self.register_buffer("d2t", d2t)  # [Vd] target id = draft id + d2t[draft id]
-        self.register_buffer("t2d", t2d)  # [V] target id is in the draft vocab
-        inv_freq, self.rope_scaling = rotary_frequencies(cfg)  # type: ignore[arg-type]  # same rope fields
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2]
         self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything but the frozen embedding: what checkpoints and exports hold."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, L] -> [B, L, H]; the mask token reads the mask embedding, as vLLM serves it."""

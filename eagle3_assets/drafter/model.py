@@ -36,7 +36,7 @@ written into the export for vLLM, `export.py`):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,10 @@ from eagle3_assets.target import TargetModel
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterShape:
+    """What a drafter of any family takes from the target: its layers' shape and rotary embedding, its vocabulary,
+    the draft vocabulary, and how many of its layers the drafter reads (`num_aux_layers`)."""
+
     hidden_size: int  # H, the target's hidden size
     num_attention_heads: int
     num_key_value_heads: int
@@ -58,9 +61,6 @@ class DrafterConfig:
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 4096
     num_aux_layers: int = 3
-    norm_before_fc: bool = False
-    norm_before_residual: bool = False
-    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim < 32:
@@ -80,9 +80,9 @@ class DrafterConfig:
 
     @classmethod
     def from_target(
-        cls, target: TargetModel, *, draft_vocab_size: int, intermediate_size: int | None = None, **options: bool
-    ) -> DrafterConfig:
-        """The drafter shaped like the target's decoder layers, with its rotary embedding; `options` are the norm flags."""
+        cls, target: TargetModel, *, draft_vocab_size: int, intermediate_size: int | None = None, **options: Any
+    ) -> Self:
+        """Shaped like the target's decoder layers, with its rotary embedding; `options` are the family's fields."""
         return cls(
             hidden_size=target.hidden_size,
             num_attention_heads=target.num_attention_heads,
@@ -99,6 +99,15 @@ class DrafterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DrafterConfig(DrafterShape):
+    """The EAGLE-3 drafter: the target's shape and the norm placements (the module docstring)."""
+
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -126,7 +135,7 @@ def _rope_init_functions() -> dict:
     return ROPE_INIT_FUNCTIONS
 
 
-def rotary_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+def rotary_frequencies(cfg: DrafterShape) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [hd/2], attention scaling) of the target's rotary embedding.
 
     Plain rotary is computed here; a scaled one (llama3, yarn, linear, ...) by transformers'
@@ -284,7 +293,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -319,9 +328,13 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H], the pre-norm output
 
 
-class Eagle3Drafter(nn.Module):
+class DrafterModule(nn.Module):
+    """What a drafter of any family holds besides its layers: the target's frozen embedding, the vocab map's
+    buffers and the rotary frequencies; how its weights start, and which of them are saved. A family's drafter
+    builds its layers after this `__init__`, then calls `reset_parameters`."""
+
     def __init__(
-        self, cfg: DrafterConfig, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor | None = None
+        self, cfg: DrafterShape, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor | None = None
     ):
         super().__init__()
         self.config = cfg
@@ -333,12 +346,6 @@ class Eagle3Drafter(nn.Module):
         if tuple(embed_tokens.shape) != (cfg.vocab_size, h):
             raise ValueError(f"embedding is {list(embed_tokens.shape)}, expected [{cfg.vocab_size}, {h}]")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h, _weight=embed_tokens.detach(), _freeze=True)
-        # vLLM names the norm over the fused features `input_norm`; it exists only with norm_before_fc.
-        self.input_norm = RMSNorm(cfg.num_aux_layers * h, cfg.rms_norm_eps) if cfg.norm_before_fc else None
-        self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
-        self.midlayer = DecoderLayer(cfg)
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         d2t, t2d = torch.as_tensor(d2t, dtype=torch.int64), torch.as_tensor(t2d, dtype=torch.bool)
         if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
             raise ValueError(
@@ -349,7 +356,6 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d)  # [V] target id is in the draft vocab
         inv_freq, self.rope_scaling = rotary_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2]
-        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -362,6 +368,23 @@ class Eagle3Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embedding: what checkpoints and exports hold."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+class Eagle3Drafter(DrafterModule):
+    config: DrafterConfig
+
+    def __init__(
+        self, cfg: DrafterConfig, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor | None = None
+    ):
+        super().__init__(cfg, d2t, t2d, embed_tokens)
+        h = cfg.hidden_size
+        # vLLM names the norm over the fused features `input_norm`; it exists only with norm_before_fc.
+        self.input_norm = RMSNorm(cfg.num_aux_layers * h, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.reset_parameters()
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         aux = aux.to(self.fc.weight.dtype)  # [B, T, A]
