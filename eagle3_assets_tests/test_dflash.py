@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,7 +30,8 @@ from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.settings import DFlashSettings, TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
-from .helpers import AUX_IDS, greedy_vocab_map, random_vocab_map, target_of, tiny_llama, write_shard
+from .drafter_serving import PROMPT_LEN, confident_target_with_text, replay_rounds
+from .helpers import AUX_IDS, random_vocab_map, target_of
 
 
 def tiny_config(**overrides) -> DFlashConfig:
@@ -159,54 +159,29 @@ def test_a_released_dflash_export_warm_starts_a_fresh_drafter_mask_embedding_inc
 
 # -- served by vLLM ---------------------------------------------------------------------------------------------
 
-PROMPT_LEN, SERVED, EXTRA, K = 6, 24, 8, 3
+SERVED, EXTRA, K = 24, 8, 3
 
 
 @torch.no_grad()
-def replay_rounds(model: DFlashDrafter, store: ArtifactStore, keys: list[str], k: int) -> tuple[int, list[int]]:
-    """(drafts, accepted per position) vLLM should report serving `SERVED` tokens per prompt with k mask slots."""
+def replayed(model: DFlashDrafter, store: ArtifactStore, keys: list[str], k: int) -> tuple[int, list[int]]:
+    """(drafts, accepted per position) vLLM should report serving `SERVED` tokens per prompt with k mask slots:
+    a round whose last verified index is t drafts the block at anchor t."""
     samples, _ = index_samples(store, keys)
     batch = BatchLoader(store, samples, batch_tokens=10**6, seed=0).load(range(len(samples)))
     T = batch.input_ids.shape[1]
     anchors = torch.arange(T - 1).expand(len(samples), T - 1)
     logits = model.eval()(batch.input_ids, batch.aux.float(), anchors, block_size=k)
     preds = [(lg.argmax(-1) + model.d2t[lg.argmax(-1)]) for lg in logits]  # [B, N] target ids per slot
-    drafts, accepted = 0, [0] * k
-    for i in range(len(samples)):
-        ids = batch.input_ids[i]
-        newest = PROMPT_LEN  # index of the newest token: the target's prefill output
-        while newest - PROMPT_LEN + 1 < SERVED:
-            t, a = newest - 1, 0
-            drafts += 1
-            while a < k and preds[a][i, t] == ids[t + 2 + a]:
-                accepted[a] += 1
-                a += 1
-            newest += a + 1
-    return drafts, accepted
+    return replay_rounds(preds, batch.input_ids, SERVED)
 
 
 @pytest.fixture(scope="module")
 def served_target(tmp_path_factory):
     """A confident tiny target, greedy text from it, and one shard of that text (as the EAGLE-3 serving test)."""
     pytest.importorskip("vllm")
-    tmp = tmp_path_factory.mktemp("dflash-vllm")
-    target_dir = tmp / "target"
-    model = tiny_llama(target_dir, seed=3, tokenizer=True)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(25.0)
-    model.save_pretrained(target_dir)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, size=PROMPT_LEN).tolist() for _ in range(16)]
-    new = SERVED + EXTRA
-    with torch.no_grad():
-        generated = [
-            model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
-            for p in prompts
-        ]
-    rows = [(g, [0] * PROMPT_LEN + [1] * new) for g in generated]
-    store = ArtifactStore(tmp / "store")
-    keys = [write_shard(store, model, rows, 0)]
-    return target_dir, prompts, generated, store, keys, greedy_vocab_map(model, rows, draft=128)
+    return confident_target_with_text(
+        tmp_path_factory.mktemp("dflash-vllm"), prompts=16, new_tokens=SERVED + EXTRA, shard_rows=16
+    )
 
 
 def train_dflash(served_target) -> tuple[DFlashDrafter, Path]:
@@ -241,7 +216,7 @@ def test_vllm_serves_the_dflash_export_greedy_and_accepts_the_predicted_blocks(s
     )  # fmt: skip
     for spec, k in zip(runs, (K, 2), strict=True):
         assert spec.outputs == [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]  # speculation keeps greedy
-        drafts, accepted = replay_rounds(model, store, keys, k)
+        drafts, accepted = replayed(model, store, keys, k)
         margin = max(1.0, 0.01 * drafts)
         assert abs(spec.num_drafts - drafts) <= margin, (spec.to_json(), drafts, accepted)
         for got, want in zip(spec.accepted_per_position, accepted, strict=True):

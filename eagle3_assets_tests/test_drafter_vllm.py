@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,61 +25,37 @@ from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
-from .helpers import greedy_vocab_map, target_of, tiny_llama, write_shard
+from .drafter_serving import PROMPT_LEN, confident_target_with_text, replay_rounds
+from .helpers import target_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-PROMPT_LEN, SERVED, EXTRA, K = 6, 24, 4, 3
+SERVED, EXTRA, K = 24, 4, 3
 NORM_FLAGS = {"norm_before_fc", "norm_before_residual", "norm_output"}
 
 
 @torch.no_grad()
-def replay_rounds(model: Eagle3Drafter, store: ArtifactStore, keys: list[str]) -> tuple[int, list[int]]:
-    """(drafts, accepted per position) vLLM should report serving `SERVED` tokens per prompt."""
+def replayed(model: Eagle3Drafter, store: ArtifactStore, keys: list[str]) -> tuple[int, list[int]]:
+    """(drafts, accepted per position) vLLM should report serving `SERVED` tokens per prompt: a round whose last
+    verified index is t proposes the unroll's step-k argmax at t."""
     samples, _ = index_samples(store, keys)
     batch = BatchLoader(store, samples, batch_tokens=10**6, seed=0).load(range(len(samples)))
     logits = model.eval()(batch.input_ids, batch.aux.float(), K)
     preds = [(lg.argmax(-1) + model.d2t[lg.argmax(-1)]) for lg in logits]  # [B, T] target ids per step
-    drafts, accepted = 0, [0] * K
-    for i in range(len(samples)):
-        ids = batch.input_ids[i]
-        newest = PROMPT_LEN  # index of the newest token: the target's prefill output
-        while newest - PROMPT_LEN + 1 < SERVED:  # the request is unfinished: draft a round
-            t, a = newest - 1, 0
-            drafts += 1
-            while a < K and preds[a][i, t] == ids[t + 2 + a]:
-                accepted[a] += 1
-                a += 1
-            newest += a + 1
-    return drafts, accepted
+    return replay_rounds(preds, batch.input_ids, SERVED)
 
 
 @pytest.fixture(scope="module")
 def served_target(tmp_path_factory):
-    """A confident tiny target (rotary scaled the llama3 way, as Llama 3.1 is), greedy text from it,
-    and two shards of that text."""
+    """A confident tiny target (rotary scaled the llama3 way, as Llama 3.1 is), greedy text from it (a few tokens
+    past what is served, so every draft has a known truth), and two shards of that text."""
     pytest.importorskip("vllm")
-    tmp = tmp_path_factory.mktemp("drafter-vllm")
-    target_dir = tmp / "target"
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}  # fmt: skip
-    model = tiny_llama(target_dir, seed=3, tokenizer=True, rope_parameters=rope)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(25.0)  # confident predictions: greedy has clear margins
-    model.save_pretrained(target_dir)
-
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, size=PROMPT_LEN).tolist() for _ in range(24)]
-    new = SERVED + EXTRA  # a few tokens past what is served, so every draft has a known truth
-    with torch.no_grad():
-        generated = [
-            model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
-            for p in prompts
-        ]
-    rows = [(g, [0] * PROMPT_LEN + [1] * new) for g in generated]
-    store = ArtifactStore(tmp / "store")
-    keys = [write_shard(store, model, rows[:12], 0), write_shard(store, model, rows[12:], 12)]
-    return target_dir, prompts, generated, store, keys, greedy_vocab_map(model, rows, draft=128)
+    return confident_target_with_text(
+        tmp_path_factory.mktemp("drafter-vllm"), prompts=24, new_tokens=SERVED + EXTRA, shard_rows=12,
+        rope_parameters=rope,
+    )  # fmt: skip
 
 
 def train_and_export(served_target, name: str, **options) -> tuple[Eagle3Drafter, Path]:
@@ -104,7 +79,7 @@ def assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys) -> tup
     norm, alignment, rotary positions and scaling, the fed-back state, the norm placements and the
     weight names all match what vLLM does. They matched exactly here; the 1% margin leaves room for
     a near-tie argmax flipping on another CPU. Feeding the wrong aux layers moved them by 3-4%."""
-    drafts, accepted = replay_rounds(model, store, keys)
+    drafts, accepted = replayed(model, store, keys)
     margin = max(1.0, 0.01 * drafts)
     assert abs(spec.num_drafts - drafts) <= margin, (spec.to_json(), drafts, accepted)
     for got, want in zip(spec.accepted_per_position, accepted):
