@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -305,6 +306,18 @@ class ArtifactStore:
         else:  # the copy was in place and the intent not yet removed
             self.fs.rm(intent)
         return True
+
+    def wait_settled(self, rel: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
+        """Wait until no replacement of `rel` is pending: what a reader that does not own `rel` does, while its owner
+        `settle`s it. Two settlers at once would race: one could remove the copy the other just moved in place."""
+        intent, deadline = self._intent_path(rel), time.monotonic() + timeout_s
+        while self.fs.exists(intent):
+            if time.monotonic() > deadline:
+                raise StoreError(
+                    f"{self.url_of(rel)} is still mid-replacement after {timeout_s:.0f}s ({intent} is there): the "
+                    "process that owns it settles it before it reads"
+                )
+            time.sleep(poll_s)
 
     def ensure_local_dir(self, rel: str, version: str | None = None) -> Path:
         """A local directory holding `rel`: the directory itself on a local store, else a cached copy.

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -264,3 +265,32 @@ def test_an_object_store_directory_replacement_killed_at_any_step_leaves_a_compl
     # the next writer finishes what was left, then replaces as usual
     store.put_dir(old, "drafter/release")
     assert _found(store) == "old"
+
+
+def test_a_reader_that_does_not_own_a_directory_waits_for_its_owner_to_settle_it(tmp_path: Path, monkeypatch):
+    """Ranks > 0 of a training job read the release while rank 0 settles it: two settlers at once could race, one
+    removing the copy the other just moved in place. Only the owner settles; the others wait, then read it whole."""
+    from eagle3_assets import storage
+
+    old, new = _put_dirs(tmp_path)
+    url = f"memory://wait-{uuid.uuid4().hex[:8]}"
+    ArtifactStore(url).put_dir(old, "drafter/release")
+
+    def kill_at(name: str) -> None:
+        if name == "put_dir:drafter/release:removed":
+            raise Killed(name)
+
+    monkeypatch.setattr(storage, "crash_point", kill_at)
+    with pytest.raises(Killed):
+        ArtifactStore(url).put_dir(new, "drafter/release")
+    monkeypatch.undo()
+    reader, owner = ArtifactStore(url), ArtifactStore(url)
+    with pytest.raises(StoreError, match=r"drafter/release is still mid-replacement after 0s \(.*\.replacing\.json is there\)"):
+        reader.wait_settled("drafter/release", timeout_s=0.3, poll_s=0.05)
+    assert not reader.exists("drafter/release")  # the reader touched nothing
+
+    settler = threading.Timer(0.3, owner.settle, args=["drafter/release"])
+    settler.start()
+    reader.wait_settled("drafter/release", timeout_s=30, poll_s=0.05)
+    settler.join()
+    assert _found(reader) == "new"

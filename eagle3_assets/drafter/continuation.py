@@ -115,9 +115,14 @@ def continuation_plan(
     return ContinuationPlan(True, "", str(release.get("export_sha256", "")), list(old), new)
 
 
-def read_release(store: ArtifactStore) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(release.json, the release's trained_on.json), each None when absent."""
-    store.settle(RELEASE_DIR)  # a replacement a kill interrupted is finished, never read half done
+def read_release(store: ArtifactStore, *, owner: bool = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(release.json, the release's trained_on.json), each None when absent. A replacement a kill interrupted is
+    finished first, never read half done: by the `owner` (one process: rank 0 of a training job); the others wait
+    for it."""
+    if owner:
+        store.settle(RELEASE_DIR)
+    else:
+        store.wait_settled(RELEASE_DIR)
     if not store.exists(RELEASE_RECORD):
         return None, None
     rel = f"{RELEASE_DIR}/{TRAINED_ON_FILE}"

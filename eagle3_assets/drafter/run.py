@@ -69,8 +69,9 @@ def train_and_export(
         settings=model_loss_settings(settings, family, trained.fingerprint()),
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
-    plan = continuation_plan(*read_release(store), now, rolling=settings.training.rolling)
-    if not plan.continues and DistEnv.from_environ().is_main:
+    main = DistEnv.from_environ().is_main
+    plan = continuation_plan(*read_release(store, owner=main), now, rolling=settings.training.rolling)
+    if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
         store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
