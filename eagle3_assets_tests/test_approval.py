@@ -5,12 +5,16 @@ Daemon ticks over stand-ins with the product's keys and conditions, each recordi
 (as test_automation.py does) and the seconds its plan cost is measured from."""
 
 import datetime
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 from dagster import (
     AssetExecutionContext,
     AssetKey,
     AutomationResult,
+    DagsterInstance,
     Definitions,
     MaterializeResult,
     asset,
@@ -29,6 +33,7 @@ from eagle3_assets.settings import ApprovalSettings, SettingsError, parse_settin
 from eagle3_assets.start import main
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets_tests.conftest import tiny_settings
+from eagle3_assets_tests.helpers import REPO
 
 HOUR = ApprovalSettings(limit_s=3600.0)
 VOCAB_MAP_S = 5000.0  # what a vocab map took: over the hour alone
@@ -192,3 +197,34 @@ def test_the_limit_is_validated_naming_the_field_and_approve_is_refused_beside_w
     assert capsys.readouterr().err == (
         "--approve approves what is due for the daemon: not with --plan, --shard, --list-shards, --from\n"
     )
+
+
+def test_the_approve_command_records_the_plan_of_what_is_due_says_its_cost_and_starts_nothing(tmp_path):
+    """`python -m eagle3_assets.start --approve` on a fresh store: every step is a first make with no past run to
+    measure it, so the plan is not known to be under the limit; approved, it is recorded, and nothing runs."""
+    config, home, root = tmp_path / "eagle3.yaml", tmp_path / "home", tmp_path / "root"
+    config.write_text(tiny_settings(approval=HOUR).model_dump_json())  # JSON is YAML
+    home.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_CONFIG": str(config), "EAGLE3_ROOT": str(root)}
+    cmd = [sys.executable, "-m", "eagle3_assets.start", "--approve"]
+    done = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = ArtifactStore(root)
+    approval = Approval.read(store)
+    user = os.environ.get("USER", "unknown")
+    assert approval is not None and approval.by == f"`python -m eagle3_assets.start --approve` (user {user})"
+    steps = ["prompts", "target_model", "responses", "tokenized", "token_freq", "hidden_states[…]", "vocab_map",
+             "drafter", "drafter_eval", "drafter_release"]  # fmt: skip
+    assert approval.labels == tuple(steps)
+    lines = done.stdout.splitlines()
+    assert lines[0] == (
+        f"approved plan {approval.digest} (plan ~0m 00s (10 to run) and 10 step(s) with no past run to measure from: "
+        "not known to be under the limit of 1h 00m (approval.limit_s)); the daemon starts it at its next tick. This "
+        "command starts nothing"
+    )
+    assert [line.split(": ")[0].strip() for line in lines[1:11]] == steps
+    assert lines[11] == "total: " + approval.total
+    # Nothing ran: no run in the instance, and the store holds the approval alone.
+    with DagsterInstance.from_config(str(home)) as instance:
+        assert instance.get_runs() == []
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == [APPROVAL_FILE]
