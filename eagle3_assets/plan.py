@@ -7,6 +7,8 @@ materialized", or an input made again before it) and what it costs: rows to gene
 optimizer steps, and seconds, each measured from the store's own past materializations (`Rate`) where there are any;
 where there are none it says so rather than guess.
 
+Under the daemon a plan over `approval.limit_s` waits for a person (`over_limit`), until an `Approval` covers it.
+
 Plain figures only here; `defs/plan.py` reads them from the Dagster instance and the store.
 """
 

@@ -10,6 +10,10 @@ an input made again with equal content spares what follows it (listed all the sa
 made again cuts with other rows (`hidden_states[…]`, counted at most every shard of the prompt set).
 
 Nothing is written: no run, no record, no lease; only materializations, run records and store files are read.
+
+Under the daemon the same plan gates what is due (`PlanApproved`, in `defs/provenance.py: stale`): over
+`approval.limit_s` it waits until a person approves it (`approve`: `--approve`, the `approve_plan` job), which
+writes one record, the approval, and runs nothing.
 """
 
 from __future__ import annotations
