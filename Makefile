@@ -32,7 +32,8 @@ demo: install
 
 # The whole graph on CONFIG (the demo without it), one run per shard; run it again to resume.
 # `make run ARGS=--list-shards` lists the shard keys and where each stands; `make run ARGS=--plan` says what the
-# next run would do, why, and at what cost, running nothing.
+# next run would do, why, and at what cost, running nothing; `make run ARGS=--approve` approves the plan the daemon
+# waits on (approval.limit_s), running nothing.
 run: install
 	$(if $(CONFIG),EAGLE3_CONFIG=$(abspath $(CONFIG))) $(BIN)/python -m eagle3_assets.start $(ARGS)
 

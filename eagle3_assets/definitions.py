@@ -20,6 +20,7 @@ from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.drafter import assets as drafter
 from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
+from eagle3_assets.defs.ops.approval import approve_plan_job
 from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
@@ -63,13 +64,16 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
     assets = [a.map_asset_specs(lambda spec: with_provenance(spec, project)) for a in (*roots, hidden_states, *followers)]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
     jobs = [shard_checks.verify_shards]
+    # A plan over approval.limit_s waits under the daemon (`defs/provenance.py: stale`): one click approves it.
+    approving = [approve_plan_job(lambda: defs.resolve_asset_graph())] if settings.approval.limit_s is not None else []
     # What a per-step Kubernetes config may name: every op these definitions run.
     ops = [a.op.name for a in assets] + [c.node_def.name for c in checks] + [shard_checks.verify_all_shards.name]
+    ops += [n.name for j in approving for n in j.nodes]
     executor = k8s_executor_from_environment(ops) or multi_or_in_process_executor
-    return Definitions(
+    defs = Definitions(
         assets=assets,
         asset_checks=checks,
-        jobs=jobs,
+        jobs=jobs + approving,
         sensors=[
             AutomationConditionSensorDefinition(
                 "shard_backfill",
@@ -100,6 +104,7 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
         executor=with_run_start_sweep(executor, settings),
         resources={"project": project},
     )
+    return defs
 
 
 def _warn_without_gpu_pool_limit() -> None:

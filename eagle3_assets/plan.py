@@ -7,17 +7,24 @@ materialized", or an input made again before it) and what it costs: rows to gene
 optimizer steps, and seconds, each measured from the store's own past materializations (`Rate`) where there are any;
 where there are none it says so rather than guess.
 
+Under the daemon a plan over `approval.limit_s` waits for a person (`over_limit`), until an `Approval` covers it.
+
 Plain figures only here; `defs/plan.py` reads them from the Dagster instance and the store.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from eagle3_assets.figures import duration, size
+from eagle3_assets.provenance import bytes_digest
+from eagle3_assets.storage import ArtifactStore
 
 NO_PAST = "no past run to measure from"
+LATER = "hidden_states[…]"  # the shards a tokenized made again cuts with other rows: known once it is made
 
 
 @dataclass(frozen=True)
@@ -95,16 +102,87 @@ class Plan:
         out.append("total: " + self.total())
         return out + [f"note: {n}" for n in self.notes]
 
+    @property
+    def seconds(self) -> float:
+        """The measured seconds of every step (those with no past run count nothing: `unmeasured`)."""
+        return sum(s.cost.seconds or 0 for s in self.steps)
+
+    @property
+    def unmeasured(self) -> int:
+        return sum(1 for s in self.steps if s.cost.seconds is None)
+
+    @property
+    def digest(self) -> str:
+        """What it runs and why, in order: a plan with another step or another reason is another plan."""
+        return bytes_digest(json.dumps([[s.label, s.reason] for s in self.ordered]).encode())
+
     def total(self) -> str:
         costs = [s.cost for s in self.steps]
         rows = sum(c.rows or 0 for c in costs)
         shards = sum(c.shards or 0 for c in costs)
         nbytes = sum(c.bytes or 0 for c in costs)
         steps = sum(c.steps or 0 for c in costs)
-        seconds = sum(c.seconds or 0 for c in costs)
-        unknown = sum(1 for c in costs if c.seconds is None)
         text = (
             f"{rows:,} rows to generate, {shards:,} shard{'s' if shards != 1 else ''} (~{size(nbytes)}) to extract, ~{steps:,} optimizer steps; "
-            f"~{duration(seconds)} measured from past runs"
+            f"~{duration(self.seconds)} measured from past runs"
         )
-        return text + (f", {unknown} step(s) with {NO_PAST}" if unknown else "")
+        return text + (f", {self.unmeasured} step(s) with {NO_PAST}" if self.unmeasured else "")
+
+
+# --- approval: a plan over `approval.limit_s` waits under the daemon for a person -----------------------------
+
+APPROVAL_FILE = "approval/plan.json"  # in the store, beside the artifacts the plan makes
+LIMIT_FIELD = "approval.limit_s"
+APPROVE = "python -m eagle3_assets.start --approve"
+
+
+def over_limit(plan: Plan, limit_s: float | None) -> str | None:
+    """Why `plan` needs a person's approval, or None when it does not (no limit, nothing to run, measured under it)."""
+    if limit_s is None or not plan.steps:
+        return None
+    cost = f"plan ~{duration(plan.seconds)} ({len(plan.steps)} to run)"
+    if plan.seconds > limit_s:
+        return f"{cost} over the limit of {duration(limit_s)} ({LIMIT_FIELD})"
+    if plan.unmeasured:
+        return (
+            f"{cost} and {plan.unmeasured} step(s) with {NO_PAST}: not known to be under the limit of "
+            f"{duration(limit_s)} ({LIMIT_FIELD})"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Approval:
+    """A person's approval of a plan (`APPROVE`, or the `approve_plan` job). It holds while the graph is being made
+    toward what the plan was made for (`toward`: the settings each asset reads, the code, the prompt file and the
+    target) and what is due stays among the steps it approved: as the plan runs, its steps leave it and the reasons
+    of the rest change ("input made again" becomes "made from other inputs"), and that is the same plan, in
+    progress. Another setting, another prompt file, or a step it did not list is a new plan: approved again."""
+
+    digest: str  # the plan approved (`Plan.digest`)
+    toward: str  # what it makes the graph from
+    labels: tuple[str, ...]
+    total: str
+    by: str
+    at: float
+
+    @classmethod
+    def of(cls, plan: Plan, toward: str, by: str) -> Approval:
+        return cls(plan.digest, toward, tuple(plan.labels), plan.total(), by, time.time())
+
+    def covers(self, plan: Plan, toward: str) -> bool:
+        # The shards a `tokenized` made again cuts are known once it is made: `hidden_states[…]` approved them.
+        later = LATER in self.labels
+        return toward == self.toward and all(
+            s.label in self.labels or (later and s.label.startswith("hidden_states[")) for s in plan.steps
+        )
+
+    def save(self, store: ArtifactStore) -> None:
+        store.write_json(APPROVAL_FILE, asdict(self))  # atomic: a reader sees the old approval or the new one
+
+    @classmethod
+    def read(cls, store: ArtifactStore) -> Approval | None:
+        if not store.exists(APPROVAL_FILE):
+            return None
+        body = store.read_json(APPROVAL_FILE)
+        return cls(**{**body, "labels": tuple(body["labels"])})

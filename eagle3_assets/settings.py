@@ -365,6 +365,20 @@ class AlertSettings(_Section):
     )
 
 
+class ApprovalSettings(_Section):
+    """When the daemon waits for a person before it starts a change (`python -m eagle3_assets.start --approve`)."""
+
+    limit_s: float | None = Field(
+        None,
+        gt=0,
+        description="a plan of what is due (`--plan`) estimated over this many seconds waits under the daemon until "
+        "a person approves it; None = the daemon never waits. Seconds, because every step has them (rows, shard "
+        "bytes and optimizer steps each price one kind of step only) and the plan measures them from the store's own "
+        "past runs, so one figure prices generation, extraction and training alike in the time they hold the GPUs. "
+        "A plan with a step no past run measures is not known to be under it, and waits too",
+    )
+
+
 class EvaluationSettings(_Section):
     """`drafter_eval`: five vLLM passes over the held-out prompts (plain, then k=3 and k=7, features kept and zeroed),
     and two more (k=3, k=7) for each drafter served beside ours (the released one, the reference)."""
@@ -466,6 +480,7 @@ class Settings(_Section):
     dflash: DFlashSettings = DFlashSettings()
     vllm: VllmSettings = VllmSettings()
     alerts: AlertSettings = AlertSettings()
+    approval: ApprovalSettings = ApprovalSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     demo: DemoSettings = DemoSettings()
 

@@ -27,6 +27,7 @@ time (`leases.py`).
     python -m eagle3_assets.start                    # start, or resume
     python -m eagle3_assets.start --list-shards      # the shard keys and where each stands
     python -m eagle3_assets.start --plan             # what the next start would run, why, at what cost; runs nothing
+    python -m eagle3_assets.start --approve          # approve what is due for the daemon (approval.limit_s); runs nothing
     python -m eagle3_assets.start --shard rows_0-2000 [--shard …]   # (re)extract the named shards only
 """
 
@@ -62,13 +63,13 @@ from eagle3_assets.defs.partitions import (
     registered_shard_keys,
     require_shard_keys,
 )
-from eagle3_assets.defs.plan import next_start
+from eagle3_assets.defs.plan import approve, next_start
 from eagle3_assets.defs.provenance import Staleness, StartDoor, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.leases import Lease
-from eagle3_assets.plan import Plan
+from eagle3_assets.plan import APPROVE, Plan
 from eagle3_assets.processes import STOP_GRACE_S, stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.settings import CONFIG_ENV, DRAFTER_FAMILIES, ROOT_ENV
@@ -372,6 +373,12 @@ def _parser() -> argparse.ArgumentParser:
         help="print what the start would run (with --from/--through as given), why, and at what cost, then exit; "
         "runs, writes and locks nothing",
     )
+    parser.add_argument(
+        "--approve",
+        action="store_true",
+        help="approve the plan of what is due (as --plan prints it) for the daemon, which waits for a person when it is "
+        "over approval.limit_s, then exit; starts nothing. This command itself never waits: running it is approval",
+    )
     parser.add_argument("--shard", action="append", default=[], metavar="KEY", help="(re)extract only this shard")
     parser.add_argument("--through", default=DRAFTER_RELEASE.to_user_string(), metavar="ASSET", help="stop after this asset")
     parser.add_argument("--from", dest="redo_from", metavar="ASSET", help="redo ASSET and everything after it")
@@ -388,6 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan and not whole_graph:
         print("--plan plans the whole graph: not with --shard or --list-shards", file=sys.stderr)
         return 2
+    if args.approve and (args.plan or not whole_graph or args.redo_from):
+        print(
+            "--approve approves what is due for the daemon: not with --plan, --shard, --list-shards, --from",
+            file=sys.stderr,
+        )
+        return 2
     try:
         project = Project.from_environment()
         if AssetKey(args.through) in EVALUATED and whole_graph:
@@ -400,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # $DAGSTER_HOME (loading the definitions does: the code location's pool check): two commands opening a fresh
     # one at once race to create its tables, and the second must only refuse, touching nothing.
     # `--plan` only reads: it takes no lease, and plans beside a running start (what that one runs is in its log).
-    leased = whole_graph and not args.plan
+    leased = whole_graph and not (args.plan or args.approve)  # `--approve` writes its record alone, atomically
     lease = Lease(project.store, START_LEASE_DIR, "python -m eagle3_assets.start") if leased else nullcontext()
     began = time.monotonic()
     try:
@@ -430,6 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 0
                 if args.plan:
                     print("\n".join(start.plan(through=AssetKey(args.through)).lines()))
+                    return 0
+                if args.approve:
+                    by = f"`{APPROVE}` (user {os.environ.get('USER', 'unknown')})"
+                    print("\n".join(approve(instance, start.project, graph, by)))
                     return 0
                 ok = start.run_shards(args.shard) if args.shard else start.run(through=AssetKey(args.through))
     except Eagle3Error as e:  # a wrong shard key, a phase server that did not start, another start command

@@ -10,32 +10,47 @@ an input made again with equal content spares what follows it (listed all the sa
 made again cuts with other rows (`hidden_states[…]`, counted at most every shard of the prompt set).
 
 Nothing is written: no run, no record, no lease; only materializations, run records and store files are read.
+
+Under the daemon the same plan gates what is due (`PlanApproved`, in `defs/provenance.py: stale`): over
+`approval.limit_s` it waits until a person approves it (`approve`: `--approve`, the `approve_plan` job), which
+writes one record, the approval, and runs nothing.
 """
 
 from __future__ import annotations
 
 import json
+from typing import ClassVar, NamedTuple
 
 import fsspec
-from dagster import AssetKey, AssetRecordsFilter, AssetSelection, DagsterInstance, Definitions, EventLogRecord
+from dagster import (
+    AssetKey,
+    AssetRecordsFilter,
+    AssetSelection,
+    AutomationCondition,
+    AutomationContext,
+    AutomationResult,
+    DagsterInstance,
+    Definitions,
+    EventLogRecord,
+)
+from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
 
 from eagle3_assets.artifacts import ARTIFACTS, drafter_artifact
 from eagle3_assets.defs.partitions import registered_shard_keys
-from eagle3_assets.defs.provenance import Staleness, StartDoor, why_due
+from eagle3_assets.defs.provenance import Staleness, StartDoor, code_version, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
-from eagle3_assets.figures import size
-from eagle3_assets.plan import NO_PAST, Cost, Plan, Rate, Step
+from eagle3_assets.figures import duration, size
+from eagle3_assets.plan import APPROVE, LATER, NO_PAST, Approval, Cost, Plan, Rate, Step, over_limit
 from eagle3_assets.project import Project
 from eagle3_assets.prompts import PROMPTS_FILE, Prompt, decode_prompts, parse_prompts
-from eagle3_assets.provenance import data_version
+from eagle3_assets.provenance import ProvenanceError, data_version, digest
 from eagle3_assets.responses import RowStamps, made_by, rows_to_generate
 from eagle3_assets.settings import DRAFTER_FAMILIES
 from eagle3_assets.shards import Shard
 
 DRAFTERS = frozenset(drafter_artifact(f) for f in DRAFTER_FAMILIES)
-LATER = "hidden_states[…]"  # the shards a tokenized made again cuts with other rows: known once it is made
 PAST_RUNS = 200  # materializations a rate is measured over, at most
 
 
@@ -81,11 +96,10 @@ def _timed(rate: Rate | None, units: float, what: str) -> tuple[float | None, st
 class Planner:
     """One look at the instance and the store: `plan()` is the next start's plan."""
 
-    def __init__(self, instance: DagsterInstance, project: Project, defs: Definitions, door: StartDoor):
-        self.instance, self.project, self.defs, self.door = instance, project, defs, door
+    def __init__(self, instance: DagsterInstance, project: Project, graph: BaseAssetGraph, door: StartDoor):
+        self.instance, self.project, self.graph, self.door = instance, project, graph, door
         self.staleness = Staleness(project)
         self.past = Past(instance)
-        self.graph = defs.resolve_asset_graph()
 
     def plan(self, selection: AssetSelection) -> Plan:
         selected = selection.resolve(self.graph)
@@ -273,4 +287,100 @@ def next_start(
     instance: DagsterInstance, project: Project, defs: Definitions, door: StartDoor, selection: AssetSelection
 ) -> Plan:
     """What the start command would run next over `selection`, why, and at what cost; changes nothing."""
-    return Planner(instance, project, defs, door).plan(selection)
+    return Planner(instance, project, defs.resolve_asset_graph(), door).plan(selection)
+
+
+# --- under the daemon, a plan over `approval.limit_s` waits for a person ----------------------------------------
+
+ROOTS = ("prompts", "target_model")
+
+
+def toward(project: Project, staleness: Staleness) -> str:
+    """What the graph is being made from: each asset's settings and code (its code version) and the outside files the
+    roots read (the prompt file, the target). An approval holds while this stays the same (`Approval.covers`)."""
+    roots = {}
+    for root in ROOTS:
+        try:
+            roots[root] = staleness.expected(root).made_from
+        except ProvenanceError as e:  # an outside file gone: the plan says so too, and a new one is another plan
+            roots[root] = str(e)
+    return digest({"code": {a: code_version(a, project.settings) for a in ARTIFACTS}, "roots": roots})
+
+
+class Verdict(NamedTuple):
+    waits: bool
+    said: str  # what the UI shows: why it waits, or why it may run
+
+
+def verdict(instance: DagsterInstance, project: Project, graph: BaseAssetGraph) -> Verdict:
+    """Whether what is due may start under the daemon: its plan (the start command's, `--from` aside) is under
+    `approval.limit_s`, or a person approved it."""
+    planner = Planner(instance, project, graph, StartDoor())
+    try:
+        plan = planner.plan(AssetSelection.all())
+    except (Eagle3Error, OSError, ValueError) as e:  # not known to be under the limit: a person looks
+        return Verdict(True, f"waits for approval: the plan could not be made ({e}); `--plan` says more")
+    over = over_limit(plan, project.settings.approval.limit_s)
+    if over is None:
+        return Verdict(False, f"plan ~{duration(plan.seconds)}: under the limit")
+    approval = Approval.read(project.store)
+    if approval is not None and approval.covers(plan, toward(project, planner.staleness)):
+        return Verdict(False, f"{over}; approved by {approval.by}")
+    return Verdict(True, f"waits for approval: {over}; approve with `{APPROVE}`")
+
+
+class PlanApproved(AutomationCondition):
+    """True while the plan of what is due is under `approval.limit_s` or approved by a person (`verdict`); made once
+    per tick (the sensor's evaluation time), for every asset it gates, and only when something is due."""
+
+    _shared: ClassVar[dict[int, tuple[object, Project, Verdict]]] = {}
+
+    def __init__(self, project: Project):
+        self.project = project
+        self.said: str | None = None  # this tick's verdict, for the UI
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        limit = self.project.settings.approval.limit_s
+        return self.said or (
+            f"the plan of what is due is under {duration(limit or 0)} (approval.limit_s), or a person approved it "
+            f"(`{APPROVE}`)"
+        )
+
+    @property
+    def name(self) -> str:
+        return "plan_approved"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        tick, project, seen = self._shared.get(id(self.project), (None, None, None))
+        this_tick = seen is not None and project is self.project and tick == context.evaluation_time
+        if not this_tick and context.candidate_subset.is_empty:  # nothing due here: no plan to make
+            self.said = None
+            return AutomationResult(context, context.candidate_subset)
+        if not this_tick:
+            seen = verdict(context.asset_graph_view.instance, self.project, context.asset_graph)
+            self._shared[id(self.project)] = (context.evaluation_time, self.project, seen)
+        self.said = seen.said  # one object may sit at two places of an asset's condition: both say this tick's
+        return AutomationResult(context, context.get_empty_subset() if seen.waits else context.candidate_subset)
+
+
+def approve(instance: DagsterInstance, project: Project, graph: BaseAssetGraph, by: str) -> list[str]:
+    """Record a person's approval of the plan of what is due now (`APPROVE`, the `approve_plan` job) in the store,
+    and say what was approved at what cost; starts nothing (the daemon does, at its next tick)."""
+    planner = Planner(instance, project, graph, StartDoor())
+    plan = planner.plan(AssetSelection.all())
+    if not plan.steps:
+        return ["nothing to approve: nothing is due; everything is made as the current settings and inputs make it"]
+    approval = Approval.of(plan, toward(project, planner.staleness), by)
+    approval.save(project.store)
+    limit = project.settings.approval.limit_s
+    why = over_limit(plan, limit) or (
+        "under the limit: the daemon starts it without approval"
+        if limit is not None
+        else "approval.limit_s is not set: the daemon never waits"
+    )
+    return [
+        f"approved plan {approval.digest} ({why}); the daemon starts it at its next tick. This command starts nothing",
+        *plan.lines()[1:],
+    ]

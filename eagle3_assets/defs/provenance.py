@@ -200,17 +200,25 @@ def root_condition(project: Project, door: StartDoor | None = None) -> Automatio
     """A root (`prompts`, `target_model`) made from other settings or outside files (an appended prompt file, another
     target) is made again. One never materialized is left to a person under the daemon; the start command makes it."""
     not_running = ~AutomationCondition.in_progress()
-    condition = stale(project, not_running)
+    condition = stale(project, not_running, door)
     if door is None:
         return condition
     return with_redo(condition | (AutomationCondition.missing() & not_running).with_label("never materialized"), door, not_running)
 
 
-def stale(project: Project, ready: AutomationCondition) -> AutomationCondition:
+def stale(project: Project, ready: AutomationCondition, door: StartDoor | None) -> AutomationCondition:
     """Requested when a materialized asset becomes due (`why_due`: made from other settings or inputs) while
     `ready` holds, or when its settings changed (a new code version) and it is due: once, so a refusal is not
     requested again until something changes. What was never materialized is left to the other conditions
-    (the sensor's first look starts nothing)."""
+    (the sensor's first look starts nothing).
+
+    Under the daemon (no `door`) with `approval.limit_s` set, `ready` holds only while the plan of what is due is
+    under the limit or a person approved it (`defs/plan.py: PlanApproved`): the one place every change passes. Inside
+    `newly_true`, so the approval itself starts what waited. The start command is a person's approval: it never waits."""
+    if door is None and project.settings.approval.limit_s is not None:
+        from eagle3_assets.defs.plan import PlanApproved  # the plan is made with this module's rule: no import above
+
+        ready = ready & PlanApproved(project)
     due = ProvenanceChanged(project) & ~AutomationCondition.missing()
     return (
         ((due & ready).newly_true() | (AutomationCondition.code_version_changed() & due & ready))
@@ -223,8 +231,8 @@ def follows(project: Project, ready: AutomationCondition, door: StartDoor | None
     command: whenever it is missing), made again when it is `stale`, and when the start command's `--from` asks."""
     if door is None:
         first = AutomationCondition.missing() & AutomationCondition.eager() & ready
-        return first.with_label("never materialized, an input updated") | stale(project, ready)
-    return with_redo(never_made(ready) | stale(project, ready), door, ready)
+        return first.with_label("never materialized, an input updated") | stale(project, ready, door)
+    return with_redo(never_made(ready) | stale(project, ready, door), door, ready)
 
 
 def never_made(ready: AutomationCondition) -> AutomationCondition:

@@ -58,7 +58,7 @@ def _rolling_drafter_condition(project: Project, door: StartDoor | None) -> Auto
         & ~AutomationCondition.in_progress()
     )
     # Shards aside (they land while it trains), only once what it reads upstream is current.
-    again = stale(project, ready & inputs_current(project, frozenset({HIDDEN_STATES})))
+    again = stale(project, ready & inputs_current(project, frozenset({HIDDEN_STATES})), door)
     condition = (first | again).with_label("rolling: the first checked shard starts training")
     return condition if door is None else with_redo(condition, door, ready)
 

@@ -61,7 +61,7 @@ class ShardUnusable(AutomationCondition):
 
 def shard_backfill_condition(cron: str, project: Project, door: StartDoor | None = None) -> AutomationCondition:
     """New or stale shards at once; missing or failed ones at each tick of `cron` (the start command: at once)."""
-    triggers = _missing_or_failed(cron, project, door) | _newly_registered() | stale(project, inputs_current(project))
+    triggers = _missing_or_failed(cron, project, door) | _newly_registered() | stale(project, inputs_current(project), door)
     if door is not None:
         triggers = with_redo(triggers, door, inputs_current(project))
     if not project.settings.training.rolling:
