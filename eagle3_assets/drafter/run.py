@@ -69,7 +69,7 @@ def train_and_export(
         settings=model_loss_settings(settings, family, trained.fingerprint()),
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
-    plan = continuation_plan(*read_release(store), now, rolling=settings.training.rolling)
+    plan = continuation_plan(*read_release(store), now)
     if not plan.continues and DistEnv.from_environ().is_main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
