@@ -496,7 +496,9 @@ def test_two_families_killed_anywhere_train_every_sample_once_each_and_nothing_i
 # -- appended rows continue the release, with no hand work (issue 45, item 3) ----------------------------------------
 
 
-def train_beside_extraction(store: ArtifactStore, source: ArtifactStore, keys: list[str], train) -> tuple[object, list[str]]:
+def train_beside_extraction(
+    store: ArtifactStore, source: ArtifactStore, keys: list[str], train
+) -> tuple[object, list[str]]:
     """`train()` in a thread while the extraction side, as the backfill drives it, puts in each shard of `keys` the
     window admits and that has no manifest (copied from `source`); the window bound is checked at every look.
     Returns what `train()` returned and the shards put in, in order."""
@@ -554,7 +556,9 @@ def test_a_rolling_append_continues_the_release_on_the_new_shards_once_and_a_mod
     def ledger_rows(result: TrainResult) -> Counter:
         return Counter(r for _, rows in read_checkpoint_state(store, result.checkpoint).state["ledger"] for r in rows)
 
-    first, copied = train_beside_extraction(store, source, old, lambda: train_and_export(store, target, settings, old, log=lambda _: None))
+    first, copied = train_beside_extraction(
+        store, source, old, lambda: train_and_export(store, target, settings, old, log=lambda _: None)
+    )
     assert first.summary["trained"] == "from scratch: nothing is released" and copied == old
     plan = RollingPlan.from_tokenized(tset, old, heldout_rows=2, seed=0, reservoir_rows=bound)
     held = {r.row for r in plan.heldout}
@@ -585,10 +589,13 @@ def test_a_rolling_append_continues_the_release_on_the_new_shards_once_and_a_mod
         assert torch.equal(tensor.float(), released[name]), name
 
     logs: list[str] = []
-    second, copied = train_beside_extraction(store, source, keys, lambda: train_and_export(store, target, settings, keys, log=logs.append))
+    second, copied = train_beside_extraction(
+        store, source, keys, lambda: train_and_export(store, target, settings, keys, log=logs.append)
+    )
     assert copied == new[1:]  # the old shards are not extracted again
     c = second.result.continued
-    replayed = {r.row for r in RollingPlan.from_tokenized(tset, new, heldout_rows=2, seed=0, reservoir_rows=bound, after=old).kept_before}
+    continued_plan = RollingPlan.from_tokenized(tset, new, heldout_rows=2, seed=0, reservoir_rows=bound, after=old)
+    replayed = {r.row for r in continued_plan.kept_before}
     assert c is not None and (c.release_sha256, c.new_rows, c.replayed) == (sha, 12, len(replayed))
     assert 0 < len(replayed) < bound and replayed <= kept
     assert second.summary["trained"] == (
@@ -605,9 +612,12 @@ def test_a_rolling_append_continues_the_release_on_the_new_shards_once_and_a_mod
     # again, in order, within the window; each training row is trained once.
     lk = settings.model_copy(update={"training": training.model_copy(update={"loss": "kl"})})
     logs.clear()
-    third, copied = train_beside_extraction(store, source, keys, lambda: train_and_export(store, target, lk, keys, log=logs.append))
+    third, copied = train_beside_extraction(
+        store, source, keys, lambda: train_and_export(store, target, lk, keys, log=logs.append)
+    )
     assert third.summary["trained"] == "from scratch: settings.training.loss: release 'soft_ce', now 'kl'"
     assert copied == keys
-    assert any("8 of its shards were consumed by another run" in line and "window records are cleared" in line for line in logs), logs
+    cleared = "8 of its shards were consumed by another run"
+    assert any(cleared in line and "window records are cleared" in line for line in logs), logs
     assert ledger_rows(third.result) == Counter(r for r in range(ROWS) if r not in held)
     assert hidden_state_bytes(store, keys) == 0 and all(r.released for r in read_consumed(store).values())

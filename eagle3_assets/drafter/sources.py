@@ -138,7 +138,8 @@ def rolling_data(
         kept = set(store.listdir(REPLAY_DIR))
         in_reservoir = [r for r in plan.kept_before if f"{r.row}{SAMPLE_SUFFIX}" in kept]
         new_rows = sum(len(t) for t in plan.train)
-        replay = replay_sample(in_reservoir, new_rows if settings.replay_rows is None else settings.replay_rows, settings.seed)
+        n_replay = new_rows if settings.replay_rows is None else settings.replay_rows
+        replay = replay_sample(in_reservoir, n_replay, settings.seed)
         plan = plan.with_replay(replay)
         scratch = RollingPlan.from_tokenized(
             tset, [*after, *shard_keys], heldout_rows=settings.heldout_rows, seed=settings.seed
