@@ -29,6 +29,7 @@ from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eva
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets_tests.conftest import tiny_settings
@@ -131,10 +132,15 @@ def graph_defs(project: Project) -> Definitions:
     """The product's conditions on stand-ins with the product's keys, deps and blocking shard check."""
     tokenized = stand_in(project, "tokenized")
     vocab_map = stand_in(project, "vocab_map", deps=[tokenized], automation_condition=data_condition(project))
-    hidden_states = stand_in(
-        project, "hidden_states", partitions_def=shards, deps=[tokenized],
-        automation_condition=shard_backfill_condition("*/15 * * * *", project),
-    )  # fmt: skip
+
+    @asset(
+        partitions_def=shards, deps=[tokenized], automation_condition=shard_backfill_condition("*/15 * * * *", project)
+    )
+    def hidden_states(context: AssetExecutionContext) -> MaterializeResult:
+        # As the product's asset does: an extracted shard has its manifest (a rolling backfill requests a shard
+        # materialized without one again: `ManifestGone`).
+        project.store.write_json(manifest_path(context.partition_key), {})
+        return record(project, context)
 
     @asset_check(asset=hidden_states, name="shard_integrity", partitions_def=shards, blocking=True)
     def shard_integrity(context: AssetCheckExecutionContext) -> AssetCheckResult:
@@ -199,7 +205,6 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_and
 
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):
-    from eagle3_assets.sample_file import manifest_path
     from eagle3_assets.shard_window import record_consumed, start_over
 
     project = project_at(tmp_path, training=TrainingSettings(mode="rolling", window_shards=2))
