@@ -25,8 +25,10 @@ from eagle3_assets.settings import Settings, TrainingSettings
 
 # Training settings that change how a run is carried out, not what it learns or exports.
 # `sample_ledger` only keeps a record of what was trained (issue 44, item 6): toggling it retrains nothing.
+# `replay_reservoir_rows` decides what a rolling run keeps for a later continuation, which records what it replayed.
 TRAINING_HOW = (
-    "checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch", "sample_ledger"
+    "checkpoint_every", "device", "serve_with", "window_shards", "shard_wait_s", "launch", "sample_ledger",
+    "replay_reservoir_rows",
 )  # fmt: skip
 # And those a checkpoint may still be resumed under, though the export may differ (which checkpoint is
 # exported, when evaluation and early stop look): left out of a run's fingerprint (`drafter/train.py`), not

@@ -222,6 +222,14 @@ class TrainingSettings(_Section):
         None, ge=0, description="continuing: old rows replayed beside the new ones (seeded, never a held-out row); "
         "None = as many as the new rows",
     )  # fmt: skip
+    # Rolling mode releases every shard it trains, so old rows are gone when prompts are appended: a continuation
+    # replays from copies kept before each release. A row costs its sample file, ~4 x hidden_size x 2 bytes per token
+    # in bf16 (~83 MB for the seed run's rows, ~0.6 GB for 10k-token rows of a Kimi-shaped target): 1,000 rows are
+    # half a default 2,000-row shard, and cover with full replay any append of up to 1,000 rows.
+    replay_reservoir_rows: int = Field(
+        1000, ge=0, description="rolling: rows of the released shards kept (seeded, a uniform share of each shard) "
+        "under drafter/replay/ for a later continuation to replay; 0 keeps none (a continuation then replays nothing)",
+    )  # fmt: skip
     continue_fraction: float = Field(
         0.25, gt=0.0, le=1.0, description="continuing: the optimizer steps of a continuation, as a share of the "
         "steps a from-scratch run on all rows would take",

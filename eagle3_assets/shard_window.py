@@ -233,6 +233,24 @@ def release_when_consumed(
     return release(store, record, family), []
 
 
+def start_over(store: ArtifactStore, keys: Sequence[str], family: str = EAGLE3) -> list[str]:
+    """A new run of `family` (a fresh pass, not the resumption of one) is about to train `keys`: records of them are
+    another run's, and would keep the window from admitting them. Removes `family`'s records of `keys`; a shard whose
+    sample files are gone (released) also loses its manifest and check record, so it reads as not extracted, the
+    window admits it in turn and the backfill extracts it again. Other families' records stay (a shard is released
+    once each consumed it). Returns the keys whose records were removed."""
+    removed = []
+    for key in keys:
+        if not store.exists(consumed_path(key, family)):
+            continue
+        if store.exists(manifest_path(key)) and lost_sample_files(store, key) is not None:
+            store.remove(check_record_path(key))  # first: a manifest never stands with a passed check on lost files
+            store.remove(manifest_path(key))
+        store.remove(consumed_path(key, family))
+        removed.append(key)
+    return removed
+
+
 def shard_bytes_on_disk(store: ArtifactStore, key: str) -> int:
     return sum(store.size(f) for f in sample_files(store, key))
 
@@ -274,8 +292,9 @@ class Window:
             c = self.consumed[key]
             state = "released" if c.released else "being released"
             return (
-                f"shard {key} was trained ({c.describe()}) and {state}: extracting it "
-                "again would train nothing. To train from scratch, remove drafter/ from the store first"
+                f"shard {key} was trained ({c.describe()}) and {state}: extracting it again would train nothing. "
+                "A run that trains from scratch clears its window records as it starts, and the window then admits "
+                "the shard again"
             )
         if key not in self.admitted():
             by = (

@@ -29,6 +29,7 @@ from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eva
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets_tests.conftest import tiny_settings
@@ -131,10 +132,15 @@ def graph_defs(project: Project) -> Definitions:
     """The product's conditions on stand-ins with the product's keys, deps and blocking shard check."""
     tokenized = stand_in(project, "tokenized")
     vocab_map = stand_in(project, "vocab_map", deps=[tokenized], automation_condition=data_condition(project))
-    hidden_states = stand_in(
-        project, "hidden_states", partitions_def=shards, deps=[tokenized],
-        automation_condition=shard_backfill_condition("*/15 * * * *", project),
-    )  # fmt: skip
+
+    @asset(
+        partitions_def=shards, deps=[tokenized], automation_condition=shard_backfill_condition("*/15 * * * *", project)
+    )
+    def hidden_states(context: AssetExecutionContext) -> MaterializeResult:
+        # As the product's asset does: an extracted shard has its manifest (a rolling backfill requests a shard
+        # materialized without one again: `ManifestGone`).
+        project.store.write_json(manifest_path(context.partition_key), {})
+        return record(project, context)
 
     @asset_check(asset=hidden_states, name="shard_integrity", partitions_def=shards, blocking=True)
     def shard_integrity(context: AssetCheckExecutionContext) -> AssetCheckResult:
@@ -199,7 +205,7 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_and
 
 
 def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_path):
-    from eagle3_assets.shard_window import record_consumed
+    from eagle3_assets.shard_window import record_consumed, start_over
 
     project = project_at(tmp_path, training=TrainingSettings(mode="rolling", window_shards=2))
     tokenized = stand_in(project, "tokenized")
@@ -208,8 +214,8 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
         name="hidden_states", partitions_def=shards, deps=[tokenized],
         automation_condition=shard_backfill_condition("*/15 * * * *", project),
     )  # fmt: skip
-    def rolling() -> None:
-        return None
+    def rolling(context: AssetExecutionContext) -> MaterializeResult:
+        return record(project, context)
 
     defs = Definitions(assets=[tokenized, rolling])
     keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80", "rows_80-100"]
@@ -227,6 +233,23 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
             defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
         )
         assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+
+        # Issue 45: the three are extracted (rows_0-20's files since released); a new pass (a retrain from scratch)
+        # clears the window's records as it starts, and the released shard is requested again, with no hand work.
+        for key in keys[:3]:
+            assert run(defs, instance, ["hidden_states"], partition=key).success
+            project.store.write_json(manifest_path(key), {})
+        quiet = evaluate_automation_conditions(
+            defs, instance, evaluation_time=start + datetime.timedelta(minutes=31), cursor=later.cursor
+        )
+        assert quiet.get_requested_partitions(rolling.key) == set()
+        assert start_over(project.store, keys, "eagle3") == ["rows_0-20"]
+        assert not project.store.exists(manifest_path("rows_0-20"))
+        assert project.store.exists(manifest_path("rows_20-40"))
+        again = evaluate_automation_conditions(
+            defs, instance, evaluation_time=start + datetime.timedelta(minutes=32), cursor=quiet.cursor
+        )
+        assert sorted(again.get_requested_partitions(rolling.key)) == ["rows_0-20"]
 
 
 def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a_shard(tmp_path):
@@ -286,7 +309,8 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
         assert window.refusal("rows_0-20") == (
             "shard rows_0-20 was trained (consumed by eagle3 at step 7 (drafter/checkpoints/step_7), dflash at step 5 "
             "(families/dflash/drafter/checkpoints/step_5)) and being released: extracting it again would train "
-            "nothing. To train from scratch, remove drafter/ from the store first"
+            "nothing. A run that trains from scratch clears its window records as it starts, and the window then "
+            "admits the shard again"
         )
         last = evaluate_automation_conditions(
             defs, instance, evaluation_time=start + datetime.timedelta(minutes=45), cursor=later.cursor

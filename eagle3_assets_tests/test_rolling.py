@@ -491,3 +491,133 @@ def test_two_families_killed_anywhere_train_every_sample_once_each_and_nothing_i
     assert_each_row_trained_once_per_family(
         store_dir, keys, {"eagle3": eagle3.total_steps, "dflash": dflash.total_steps}
     )
+
+
+# -- appended rows continue the release, with no hand work (issue 45, item 3) ----------------------------------------
+
+
+def train_beside_extraction(
+    store: ArtifactStore, source: ArtifactStore, keys: list[str], train
+) -> tuple[object, list[str]]:
+    """`train()` in a thread while the extraction side, as the backfill drives it, puts in each shard of `keys` the
+    window admits and that has no manifest (copied from `source`); the window bound is checked at every look.
+    Returns what `train()` returned and the shards put in, in order."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = train()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    trainer = threading.Thread(target=run, daemon=True)
+    trainer.start()
+    copied: list[str] = []
+    deadline = time.monotonic() + 600
+    while trainer.is_alive() and time.monotonic() < deadline:
+        window = Window.read(store, keys, ROLLING.window_shards)
+        for key in window.admitted():
+            if not store.exists(manifest_path(key)):
+                copy_shard(source, store, key)
+                copied.append(key)
+        window = Window.read(store, keys, ROLLING.window_shards)
+        assert len([k for k in keys if sample_files(store, k) and not window.done(k)]) <= ROLLING.window_shards
+        time.sleep(0.02)
+    trainer.join(timeout=60)
+    assert "error" not in outcome, outcome.get("error")
+    return outcome["result"], copied
+
+
+def test_a_rolling_append_continues_the_release_on_the_new_shards_once_and_a_model_change_retrains_by_itself(
+    world, extracted, tmp_path
+):
+    from safetensors.torch import load as st_load
+
+    from eagle3_assets.drafter.continuation import continuation_plan, read_release
+    from eagle3_assets.drafter.eval_report import ServedReport
+    from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
+    from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
+    from eagle3_assets.drafter.rolling import REPLAY_DIR
+    from eagle3_assets.drafter.run import train_and_export
+
+    from .conftest import tiny_settings
+
+    root, _, _, keys, vmap = world
+    target = target_of(root / "target")
+    source = ArtifactStore(extracted)
+    store = new_store(world, str(tmp_path / "store"))
+    vmap.save(store)
+    bound = 8
+    training = ROLLING.model_copy(update={"replay_reservoir_rows": bound, "shard_wait_s": 60.0, "device": "cpu"})
+    settings = tiny_settings(shard_size=SHARD_ROWS, training=training)
+    old, new = keys[:6], keys[6:]  # the release's 36 rows, then 12 appended rows in two new shards
+    tset = TokenizedSet.load(store)
+
+    def ledger_rows(result: TrainResult) -> Counter:
+        return Counter(r for _, rows in read_checkpoint_state(store, result.checkpoint).state["ledger"] for r in rows)
+
+    first, copied = train_beside_extraction(
+        store, source, old, lambda: train_and_export(store, target, settings, old, log=lambda _: None)
+    )
+    assert first.summary["trained"] == "from scratch: nothing is released" and copied == old
+    plan = RollingPlan.from_tokenized(tset, old, heldout_rows=2, seed=0, reservoir_rows=bound)
+    held = {r.row for r in plan.heldout}
+    # The reservoir: `bound` rows in all, a share of each released shard, none held out.
+    kept = {r.row for rows in plan.keep for r in rows}
+    assert len(kept) == bound and not kept & held
+    assert sorted(os.listdir(tmp_path / "store" / REPLAY_DIR)) == sorted(f"{r}.safetensors" for r in kept)
+    assert hidden_state_bytes(store, old) == 0  # every old shard released
+
+    sha = export_digest(store)
+    report = ServedReport.from_json(
+        {"mean_acceptance_length_k3": 1.5, "mean_acceptance_length_k7": 1.6, "outputs_match_greedy": True,
+         "export_sha256": sha}
+    )  # fmt: skip
+    promote(store, release_decision(report, None, 1.0), report, "none")
+    released = {k: v.float() for k, v in st_load(store.read_bytes(f"{RELEASE_DIR}/model.safetensors")).items()}
+
+    # Before its first step, the continuation's model is the release's weights (its first new shard put in, as the
+    # window admits it).
+    on = store.read_json(f"{EXPORT_DIR}/{TRAINED_ON_FILE}")
+    cont = continuation_plan(*read_release(store), {**on, "shards": {k: "none" for k in keys}})
+    assert (cont.continues, cont.old_shards, cont.new_shards) == (True, old, new)
+    assert Window.read(store, keys, ROLLING.window_shards).admitted() == new
+    copy_shard(source, store, new[0])
+    start = train_drafter(store, keys, vmap=vmap, target=target, settings=training, continuation=cont, max_steps=0,
+                          resume=False, log=lambda _: None)  # fmt: skip
+    for name, tensor in start.model.trainable_state_dict().items():
+        assert torch.equal(tensor.float(), released[name]), name
+
+    logs: list[str] = []
+    second, copied = train_beside_extraction(
+        store, source, keys, lambda: train_and_export(store, target, settings, keys, log=logs.append)
+    )
+    assert copied == new[1:]  # the old shards are not extracted again
+    c = second.result.continued
+    continued_plan = RollingPlan.from_tokenized(tset, new, heldout_rows=2, seed=0, reservoir_rows=bound, after=old)
+    replayed = {r.row for r in continued_plan.kept_before}
+    assert c is not None and (c.release_sha256, c.new_rows, c.replayed) == (sha, 12, len(replayed))
+    assert 0 < len(replayed) < bound and replayed <= kept
+    assert second.summary["trained"] == (
+        f"continued from the release ({sha[:12]}) with 12 new rows and {len(replayed)} replayed, {c.steps} steps"
+    )
+    assert c.steps == second.result.total_steps == second.result.step < c.scratch_steps
+    # Every new row once, every replayed row once: read from the reservoir, as the ledger of the pass shows.
+    assert ledger_rows(second.result) == Counter([*range(36, 48), *replayed])
+    assert hidden_state_bytes(store, keys) == 0 and all(r.released for r in read_consumed(store).values())
+    # The reservoir still holds `bound` rows at most: the old shards' shares shrank, the new shards' were added.
+    assert len(os.listdir(tmp_path / "store" / REPLAY_DIR)) <= bound
+
+    # A loss change retrains from scratch: the run clears the window records itself, and every shard is extracted
+    # again, in order, within the window; each training row is trained once.
+    lk = settings.model_copy(update={"training": training.model_copy(update={"loss": "kl"})})
+    logs.clear()
+    third, copied = train_beside_extraction(
+        store, source, keys, lambda: train_and_export(store, target, lk, keys, log=logs.append)
+    )
+    assert third.summary["trained"] == "from scratch: settings.training.loss: release 'soft_ce', now 'kl'"
+    assert copied == keys
+    cleared = "8 of its shards were consumed by another run"
+    assert any(cleared in line and "window records are cleared" in line for line in logs), logs
+    assert ledger_rows(third.result) == Counter(r for r in range(ROWS) if r not in held)
+    assert hidden_state_bytes(store, keys) == 0 and all(r.released for r in read_consumed(store).values())

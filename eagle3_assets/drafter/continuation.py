@@ -5,7 +5,9 @@ with it into the release): its family, the versions of the target and of the voc
 the model and the loss, and each shard's rows digest. `continuation_plan` compares the release's with what this
 run would train on: when they differ only by added shards, the drafter warm-starts from the release's weights and
 trains on the new rows plus a replay sample of old ones (`sources.continued_data`), for `training.continue_fraction`
-of a from-scratch run's steps. Anything else trains from scratch, naming the first difference.
+of a from-scratch run's steps; in rolling mode, one pass over the new shards with rows replayed from the reservoir the
+release's run kept as it released its shards (`sources.rolling_data`, `rolling.REPLAY_DIR`). Anything else trains from
+scratch, naming the first difference.
 """
 
 from __future__ import annotations
@@ -76,18 +78,17 @@ def _differences(released: Any, now: Any, prefix: str) -> list[str]:
 
 
 def continuation_plan(
-    release: Mapping[str, Any] | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any], *,
-    rolling: bool = False,
-) -> ContinuationPlan:  # fmt: skip
+    release: Mapping[str, Any] | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any]
+) -> ContinuationPlan:
     """Continue from the release (`release.json`, its `trained_on.json`) or train from scratch, and why: continue
     only when the release is of this family, for this target, on this vocab map, with the same model and loss
-    settings, every shard it trained on is still there with the same rows, and at least one shard is new."""
+    settings, every shard it trained on is still a shard with the same rows, and at least one shard is new. In
+    rolling mode too: the row plan keeps every old row in its shard and puts appended rows in new shards
+    (`tokenized.plan_rows`), and the release's shards are compared by their rows' digests, not their files (released)."""
 
     def scratch(reason: str) -> ContinuationPlan:
         return ContinuationPlan(False, reason)
 
-    if rolling:
-        return scratch("rolling mode does not continue yet")
     if release is None:
         return scratch("nothing is released")
     if released_on is None:

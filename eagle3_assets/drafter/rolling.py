@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError
 from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.hidden_states.manifest import ManifestError, ShardManifest
-from eagle3_assets.sample_file import manifest_path
+from eagle3_assets.sample_file import SAMPLE_SUFFIX, manifest_path
 from eagle3_assets.settings import family_root
 from eagle3_assets.shard_window import (
     EAGLE3,
@@ -37,6 +37,7 @@ from eagle3_assets.shard_window import (
     read_consumed_one,
     record_consumed,
     release_when_consumed,
+    start_over,
     window_dir,
     write_check_record,
 )
@@ -45,6 +46,9 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
 
 HELDOUT_DIR = "drafter/heldout"
+# The replay reservoir: a seeded sample of the released shards' rows (`training.replay_reservoir_rows`), copied before
+# their release, from which a continuation replays old rows (`continuation.py`); the window's release never touches it.
+REPLAY_DIR = "drafter/replay"
 
 LogFn = Callable[[str], None]
 
@@ -61,17 +65,44 @@ class ShardWaitTimeout(TrainingError):
     retryable = True
 
 
+def reservoir_quotas(train: Sequence[Sequence[SampleRef]], bound: int, seed: int) -> list[list[SampleRef]]:
+    """The rows the replay reservoir keeps of each shard's training rows: a uniform share of `bound` over all of them
+    (shard k keeps floor(bound·C_k/N) − floor(bound·C_{k-1}/N), C_k the rows up to and including shard k, N all: at
+    most `bound` in all), each shard's the first of a seeded order of its own rows, in row order. Shards added later
+    (a larger N) shrink the older shards' shares to a prefix of what they kept; a share that grows by a rounding row
+    finds that row gone, and the reservoir holds one fewer."""
+    total = sum(len(t) for t in train)
+    out, before = [], 0
+    for rows in train:
+        share = (bound * (before + len(rows)) // total - bound * before // total) if total else 0
+        before += len(rows)
+        start = Shard.parse(rows[0].shard).start if rows else 0
+        pick = np.sort(np.random.default_rng([seed, 0x7E5E, start]).permutation(len(rows))[:share])
+        out.append([rows[i] for i in pick.tolist()])
+    return out
+
+
 @dataclass(frozen=True)
 class RollingPlan:
     keys: tuple[str, ...]  # training order
-    train: tuple[tuple[SampleRef, ...], ...]  # per shard, in row order
+    train: tuple[tuple[SampleRef, ...], ...]  # per shard, in row order (a continuation's replayed rows after them)
     heldout: tuple[SampleRef, ...]  # rows of the first shard, read from HELDOUT_DIR
+    # Per shard, its rows the replay reservoir keeps when the shard is released (`reservoir_quotas`).
+    keep: tuple[tuple[SampleRef, ...], ...] = ()
+    # The reservoir's rows of the shards a continued release trained on (`after`), in their order.
+    kept_before: tuple[SampleRef, ...] = ()
 
     @classmethod
-    def from_tokenized(cls, tset: TokenizedSet, keys: Sequence[str], *, heldout_rows: int, seed: int) -> RollingPlan:
+    def from_tokenized(
+        cls, tset: TokenizedSet, keys: Sequence[str], *, heldout_rows: int, seed: int, reservoir_rows: int = 0,
+        after: Sequence[str] = (),
+    ) -> RollingPlan:  # fmt: skip
+        """One pass over `keys`. `after`: the shards a released drafter was trained on, in its order, when this pass
+        continues it: the held-out rows are the ones that run drew from the first of them, and the reservoir's shares
+        are of every shard's rows."""
         if not keys:
             raise DataError("no hidden-state shards given: nothing to train on")
-        shards = [Shard.parse(k) for k in keys]
+        shards = [Shard.parse(k) for k in [*after, *keys]]
         train = [[SampleRef(s.key, r, tset.row_length(r)) for r in s.rows] for s in shards]
         first = train[0]
         if heldout_rows >= len(first):
@@ -82,7 +113,22 @@ class RollingPlan:
         pick = set(np.random.default_rng([seed, 0x4E1D]).permutation(len(first))[:heldout_rows].tolist())
         held = tuple(SampleRef(r.shard, r.row, r.length, copied_to=HELDOUT_DIR) for i, r in enumerate(first) if i in pick)
         train[0] = [r for i, r in enumerate(first) if i not in pick]
-        return cls(tuple(keys), tuple(tuple(t) for t in train), held)
+        keep = reservoir_quotas(train, reservoir_rows, seed)
+        n = len(after)
+        before = tuple(r for rows in keep[:n] for r in rows)
+        return cls(tuple(keys), tuple(tuple(t) for t in train[n:]), held, tuple(tuple(k) for k in keep[n:]), before)
+
+    def with_replay(self, replay: Sequence[SampleRef]) -> RollingPlan:
+        """The pass with `replay` (reservoir rows) dealt out over its shards in turn, each trained beside the shard's
+        own rows."""
+        train = [list(t) for t in self.train]
+        for i, ref in enumerate(replay):
+            train[i % len(train)].append(replace(ref, copied_to=REPLAY_DIR))
+        return replace(self, train=tuple(tuple(t) for t in train))
+
+    def reservoir_rows(self) -> set[int]:
+        """Every row the reservoir may hold under this plan."""
+        return {r.row for r in self.kept_before} | {r.row for rows in self.keep for r in rows}
 
 
 class RollingLoader:
@@ -243,6 +289,9 @@ class ShardWindow:
         checkpoint = f"{family_root(self.family)}/{checkpoint_rel(step)}".lstrip("/")
         record = record_consumed(self.store, key, step=step, checkpoint=checkpoint, family=self.family)
         crash_point(f"recorded:{key}")
+        # Before the release may delete them: every family keeps the same seeded rows (copies of identical files), so
+        # whichever releases the shard has kept them.
+        self._keep_replay(k)
         done, waiting = release_when_consumed(self.store, record, self.family, self.families)
         crash_point(f"released:{key}")
         if waiting:
@@ -273,6 +322,29 @@ class ShardWindow:
         return [f for f in others if (r := read_consumed_one(self.store, key, f)) is not None and r.released]
 
     def _keep_heldout(self) -> None:
+        # Copied again over an earlier run's copies (another target's states, say); a continuation's held-out rows
+        # are the release's, whose shard is gone: their copies are the ones that run made.
         for ref in self.plan.heldout:
-            if not self.store.exists(ref.rel):
-                self.store.write_bytes(ref.rel, self.store.read_bytes(SampleRef(ref.shard, ref.row, ref.length).rel))
+            if self.store.exists(source := SampleRef(ref.shard, ref.row, ref.length).rel):
+                self.store.write_bytes(ref.rel, self.store.read_bytes(source))
+
+    def _keep_replay(self, k: int) -> None:
+        for ref in self.plan.keep[k] if self.plan.keep else ():
+            if self.store.exists(ref.rel):  # else another family released the shard, keeping these first
+                self.store.write_bytes(f"{REPLAY_DIR}/{ref.row}{SAMPLE_SUFFIX}", self.store.read_bytes(ref.rel))
+
+    def start_over(self) -> None:
+        """This trainer starts a pass at step 0: it clears its family's window records of the pass's shards (another
+        run's), and trims the replay reservoir to the rows this plan keeps. Rank 0 alone; the others wait."""
+        if self.is_main:
+            if removed := start_over(self.store, self.plan.keys, self.family):
+                self.log(
+                    f"{self.name}: a new pass starts at step 0; {len(removed)} of its shards were consumed by another "
+                    f"run ({removed[0]}{', …' if len(removed) > 1 else ''}): their window records are cleared, and "
+                    "the window admits them again (released ones are extracted again)"
+                )
+            keep = {f"{r}{SAMPLE_SUFFIX}" for r in self.plan.reservoir_rows()}
+            for name in self.store.listdir(REPLAY_DIR):
+                if name not in keep:
+                    self.store.remove(f"{REPLAY_DIR}/{name}")
+        barrier()

@@ -70,7 +70,7 @@ def train_and_export(
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
     main = DistEnv.from_environ().is_main
-    plan = continuation_plan(*read_release(store, owner=main), now, rolling=settings.training.rolling)
+    plan = continuation_plan(*read_release(store, owner=main), now)
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(

@@ -20,7 +20,8 @@ from eagle3_assets.drafter.data import (
     split_heldout,
 )
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.rolling import RollingLoader, RollingPlan, ShardWindow
+from eagle3_assets.drafter.rolling import REPLAY_DIR, RollingLoader, RollingPlan, ShardWindow
+from eagle3_assets.sample_file import SAMPLE_SUFFIX
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
@@ -52,8 +53,8 @@ class ContinuedData:
 
     new_rows: int  # samples of the new shards, all trained
     replayed: int  # old training samples drawn to train beside them
-    steps: int  # training.continue_fraction of `scratch_steps`
-    scratch_steps: int  # the steps a from-scratch run on all rows would take
+    steps: int  # training.continue_fraction of `scratch_steps`; rolling: one pass over the new and replayed rows
+    scratch_steps: int  # the steps a from-scratch run (rolling: pass) on all rows would take
     release_sha256: str = ""  # the released export it started from (`model.safetensors`)
 
 
@@ -113,13 +114,38 @@ def rolling_data(
     on_shard: ShardEventCallback | None,
     family: str = "eagle3",
     families: Sequence[str] = (),
-) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow]:
+    after: Sequence[str] = (),
+) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow, ContinuedData | None]:
     """One pass planned from the tokenized set; the first shard (once checked) decides the format. `family` records
     what it consumed; a shard is released once every one of `families` (`settings.drafters`; `family` alone when
-    empty) has."""
+    empty) has. `after`: the shards the release was trained on, when this pass continues it (`continuation.py`): the
+    pass is over `shard_keys`, the new shards, each with its share of `training.replay_rows` rows replayed from the
+    reservoir (`REPLAY_DIR`, kept as the release's run released its shards), and the held-out rows are the release's
+    own copies."""
+    tset = TokenizedSet.load(store)
     plan = RollingPlan.from_tokenized(
-        TokenizedSet.load(store), shard_keys, heldout_rows=settings.heldout_rows, seed=settings.seed
-    )
+        tset, shard_keys, heldout_rows=settings.heldout_rows, seed=settings.seed,
+        reservoir_rows=settings.replay_reservoir_rows, after=after,
+    )  # fmt: skip
+    continued = None
+    if after:
+        if missing := [r for r in plan.heldout if not store.exists(r.rel)]:
+            raise DataError(
+                f"{len(missing)} of the release's {len(plan.heldout)} held-out rows have no copy, the first "
+                f"{store.url_of(missing[0].rel)}: their shard {missing[0].shard} is released, so this continuation "
+                "could not be judged on the rows the release was"
+            )
+        kept = set(store.listdir(REPLAY_DIR))
+        in_reservoir = [r for r in plan.kept_before if f"{r.row}{SAMPLE_SUFFIX}" in kept]
+        new_rows = sum(len(t) for t in plan.train)
+        n_replay = new_rows if settings.replay_rows is None else settings.replay_rows
+        replay = replay_sample(in_reservoir, n_replay, settings.seed)
+        plan = plan.with_replay(replay)
+        scratch = RollingPlan.from_tokenized(
+            tset, [*after, *shard_keys], heldout_rows=settings.heldout_rows, seed=settings.seed
+        )  # fmt: skip
+        steps = [_pass_steps(store, p, settings, env) for p in (plan, scratch)]
+        continued = ContinuedData(new_rows, len(replay), steps[0], steps[1])
     window = ShardWindow(
         store, plan, env.is_main, poll_s=SHARD_POLL_S, wait_s=settings.shard_wait_s, log=log, on_event=on_shard,
         family=family, families=tuple(dict.fromkeys([*families, family])),
@@ -140,4 +166,12 @@ def rolling_data(
         store, plan, batch_tokens=settings.batch_tokens, seed=settings.seed, rank=env.rank,
         world_size=env.world_size, order=settings.batch_order, workers=data_workers, wait_for=ready,
     )  # fmt: skip
-    return fmt, loader, list(plan.heldout), window
+    return fmt, loader, list(plan.heldout), window, continued
+
+
+def _pass_steps(store: ArtifactStore, plan: RollingPlan, settings: TrainingSettings, env: DistEnv) -> int:
+    """The optimizer steps of one rolling pass under `plan` (planned from row lengths: nothing is read)."""
+    return RollingLoader(
+        store, plan, batch_tokens=settings.batch_tokens, seed=settings.seed, rank=env.rank,
+        world_size=env.world_size, order=settings.batch_order, workers=1, wait_for=lambda _: None,
+    ).total_steps()  # fmt: skip

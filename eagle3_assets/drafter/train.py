@@ -416,7 +416,21 @@ def _prepare(
 ) -> _Run:
     window = None
     continued = None
-    if continuation is not None:
+    if settings.rolling:
+        # A continuation's pass is over the new shards alone, with replayed rows from the reservoir: one pass, every
+        # new row once, its steps what that pass takes.
+        fmt, loader, held, window, continued = rolling_data(
+            store, continuation.new_shards if continuation else shard_keys, settings, env, data_workers, log=log,
+            on_shard=on_shard, family=family.name, families=window_families,
+            after=continuation.old_shards if continuation else (),
+        )  # fmt: skip
+        if continuation is not None:
+            continued = replace(continued, release_sha256=continuation.release_sha256)
+            shard_keys = [*continuation.old_shards, *continuation.new_shards]
+            settings = settings.model_copy(
+                update={"warmup_steps": min(settings.warmup_steps, max(1, continued.steps // 20))}
+            )
+    elif continuation is not None:
         fmt, loader, held, continued = continued_data(
             store, continuation.old_shards, continuation.new_shards, settings, env, data_workers
         )
@@ -426,11 +440,6 @@ def _prepare(
         # (the weights are trained already; a full one would spend the budget warming up).
         short_warmup = min(settings.warmup_steps, max(1, continued.steps // 20))
         settings = settings.model_copy(update={"steps": continued.steps, "warmup_steps": short_warmup})
-    elif settings.rolling:
-        fmt, loader, held, window = rolling_data(
-            store, shard_keys, settings, env, data_workers, log=log, on_shard=on_shard, family=family.name,
-            families=window_families,
-        )  # fmt: skip
     else:
         fmt, loader, held = offline_data(store, shard_keys, settings, env, data_workers)
     _check_inputs(fmt, target, vmap)
@@ -470,30 +479,33 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
     """(step, next data position, checkpoint, its last metrics) restored from the newest checkpoint.
 
     A checkpoint of another run (other data, another recipe) is never resumed: `other_run="refuse"` fails
-    naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0 (not in rolling
-    mode, where the shards that run consumed are gone: that one always refuses)."""
+    naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0. A rolling pass that starts
+    at step 0 clears the window records of the shards it trains (another run's: `ShardWindow.start_over`), so the
+    window admits them again and the released ones are extracted again."""
     if run.env.is_main:  # a checkpoint write a kill left: finished (after its intent) or removed, before any rank looks
         run.out.remove_temporaries(CHECKPOINTS_DIR)
     barrier()
     rel = latest_checkpoint(run.out)
     if rel is None:
+        if run.window is not None:
+            run.window.start_over()
         return 0, DataPosition(), "", {}
     saved = read_checkpoint_state(run.out, rel)
     if diffs := differences(with_settings_added_later(saved.run), run.fingerprint):
         where = run.out.url_of(CHECKPOINTS_DIR)
-        if other_run == "fresh" and run.window is None:
+        if other_run == "fresh":
             barrier()  # every rank has read the checkpoint's state before rank 0 removes it
             if run.env.is_main:
                 log(f"drafter: not resuming {run.out.url_of(rel)}, made by another run ({'; '.join(diffs)}); "
                     f"removing {where} and starting fresh")  # fmt: skip
                 run.out.remove(CHECKPOINTS_DIR, recursive=True)
             barrier()
+            if run.window is not None:
+                run.window.start_over()
             return 0, DataPosition(), "", {}
         raise CheckpointError(
             f"{run.out.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
             f"remove {where} (or pass resume=False) to start over"
-            + ("; in rolling mode the shards it consumed are gone: remove drafter/ and the released shards' "
-               "directories under hidden_states/, which are then extracted again" if run.window is not None else "")
         )  # fmt: skip
     ck = load_checkpoint(
         run.out, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler
@@ -520,7 +532,12 @@ def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPositi
 def _announce(run: _Run, log: LogFn) -> None:
     """What a fresh run is about to do, and whether it is too short to learn."""
     n_tokens = sum(s.length for s in run.loader.samples)
-    if (c := run.continued) is not None:
+    if (c := run.continued) is not None and run.window is not None:
+        log(
+            f"drafter: {continued_line(c)} (one rolling pass over the new shards and the replayed rows; a "
+            f"from-scratch pass over every row takes {c.scratch_steps})"
+        )
+    elif c is not None:
         log(
             f"drafter: {continued_line(c)} (training.continue_fraction {run.settings.continue_fraction:g} of the "
             f"{c.scratch_steps} steps a from-scratch run would take)"
@@ -584,8 +601,9 @@ def train_drafter(
     time slices. `resume=False` ignores existing checkpoints; `inputs` (the data's versions) and the settings
     decide whether the newest checkpoint belongs to this run, and `other_run` what happens when it does not. In rolling mode (`settings.mode`)
     training waits for each shard as it comes, and `on_shard({"shard", "state", …})` hears on rank
-    0 when one starts training and when it is released. `continuation` (offline only, `continuation.py`) starts
-    the model from the release's weights and trains on the new shards plus a replay of old rows, for its own steps.
+    0 when one starts training and when it is released. `continuation` (`continuation.py`) starts
+    the model from the release's weights and trains on the new shards plus a replay of old rows, for its own steps
+    (rolling: one pass over the new shards, the replayed rows from the reservoir).
     `window_families` (`settings.drafters`) are the families training from the one window: a shard is released once
     each has consumed it (`family` alone when empty).
     """

@@ -7,7 +7,9 @@ unless it is running or its inputs are missing (docs/DESIGN.md §7). Shards that
 carries on to its shards without waiting for the cron. In rolling mode
 (`training.mode: rolling`) only the shards the window admits are requested: extraction
 never runs more than `training.window_shards` shards ahead of training. The window is
-read from the store, so that condition runs in the code location (`InRollingWindow`). A shard made from
+read from the store, so that condition runs in the code location (`InRollingWindow`); a shard an earlier rolling
+run released, cleared from the window when a new pass started, is requested again once the window admits it
+(`ManifestGone`). A shard made from
 other inputs (another target, other rows, other extraction settings: `defs/provenance.py`) is requested
 as soon as its inputs are current.
 """
@@ -20,6 +22,7 @@ from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import StartDoor, inputs_current, stale, with_redo
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.project import Project
+from eagle3_assets.sample_file import manifest_path
 from eagle3_assets.shard_window import Window
 
 
@@ -39,6 +42,25 @@ class InRollingWindow(AutomationCondition):
         settings = self.project.settings
         window = Window.read(self.project.store, keys, settings.training.window_shards, settings.drafters)
         return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(set(window.admitted())))
+
+
+class ManifestGone(AutomationCondition):
+    """True for the shards with no manifest in the store: a shard a rolling run released, then cleared from the
+    window when a new pass started (`shard_window.start_over`), is materialized as far as Dagster knows, yet must be
+    extracted again."""
+
+    def __init__(self, project: Project):
+        self.project = project
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return "no manifest in the store (released by an earlier rolling run)"
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        keys = [p.partition_key for p in context.candidate_subset.expensively_compute_asset_partitions()]
+        gone = {k for k in keys if not self.project.store.exists(manifest_path(k))}
+        return AutomationResult(context, context.candidate_subset.compute_intersection_with_partition_keys(gone))
 
 
 class ShardUnusable(AutomationCondition):
@@ -66,7 +88,16 @@ def shard_backfill_condition(cron: str, project: Project, door: StartDoor | None
         triggers = with_redo(triggers, door, inputs_current(project))
     if not project.settings.training.rolling:
         return triggers.with_label(f"new or stale shards at once; missing or failed shards every tick of {cron}")
-    return (triggers & InRollingWindow(project)).with_label(
+    # Evaluated on the window's shards only (a store read per shard): a released shard a new pass cleared from the
+    # window is requested again once the window admits it. Failed runs wait for the cron, as any failed shard does.
+    again = (
+        InRollingWindow(project)
+        & ManifestGone(project)
+        & ~AutomationCondition.missing()
+        & ~AutomationCondition.execution_failed()
+        & ~AutomationCondition.in_progress()
+    ).with_label("released by an earlier pass, admitted again")
+    return ((triggers & InRollingWindow(project)) | again).with_label(
         f"new or stale shards at once, missing or failed shards every tick of {cron}; within the rolling window"
     )
 
