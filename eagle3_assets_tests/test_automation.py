@@ -74,6 +74,35 @@ def shard_defs(project: Project) -> Definitions:
     return Definitions(assets=[tokenized, hidden_states])
 
 
+class RollingBackfill:
+    """`tokenized` and the rolling `hidden_states` under the backfill sensor's condition (each recording its
+    provenance), and the sensor's ticks: `tick(minutes)` evaluates at 12:01 plus `minutes`, after the tick before,
+    and returns the shards it requests."""
+
+    START = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
+
+    def __init__(self, project: Project, instance, keys: list[str]):
+        tokenized = stand_in(project, "tokenized")
+
+        condition = shard_backfill_condition("*/15 * * * *", project)
+
+        @asset(partitions_def=shards, deps=[tokenized], automation_condition=condition)
+        def hidden_states(context: AssetExecutionContext) -> MaterializeResult:
+            return record(project, context)
+
+        self.defs = Definitions(assets=[tokenized, hidden_states])
+        self.key, self.instance, self.cursor = hidden_states.key, instance, None
+        instance.add_dynamic_partitions("hidden_state_shards", keys)
+        assert run(self.defs, instance, ["tokenized"]).success
+
+    def tick(self, minutes: int) -> list[str]:
+        result = evaluate_automation_conditions(
+            self.defs, self.instance, evaluation_time=self.START + datetime.timedelta(minutes=minutes), cursor=self.cursor
+        )
+        self.cursor = result.cursor
+        return sorted(result.get_requested_partitions(self.key))
+
+
 def run(defs, instance, keys, partition=None):
     job = defs.resolve_implicit_global_asset_job_def()
     return job.execute_in_process(
@@ -208,48 +237,26 @@ def test_in_rolling_mode_a_tick_requests_only_the_shards_the_window_admits(tmp_p
     from eagle3_assets.shard_window import record_consumed, start_over
 
     project = project_at(tmp_path, training=TrainingSettings(mode="rolling", window_shards=2))
-    tokenized = stand_in(project, "tokenized")
-
-    @asset(
-        name="hidden_states", partitions_def=shards, deps=[tokenized],
-        automation_condition=shard_backfill_condition("*/15 * * * *", project),
-    )  # fmt: skip
-    def rolling(context: AssetExecutionContext) -> MaterializeResult:
-        return record(project, context)
-
-    defs = Definitions(assets=[tokenized, rolling])
     keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80", "rows_80-100"]
-    start = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
     with instance_for_test() as instance:
-        instance.add_dynamic_partitions("hidden_state_shards", keys)
-        assert run(defs, instance, ["tokenized"]).success
-        first = evaluate_automation_conditions(defs, instance, evaluation_time=start)
-        tick = evaluate_automation_conditions(defs, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor)
-        assert sorted(tick.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]
+        backfill = RollingBackfill(project, instance, keys)
+        backfill.tick(0)
+        assert backfill.tick(15) == ["rows_0-20", "rows_20-40"]
 
         # Training consumed the first shard (its files since released): the window moves on by one.
         record_consumed(project.store, "rows_0-20", step=7, checkpoint="drafter/checkpoints/step_7")
-        later = evaluate_automation_conditions(
-            defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
-        )
-        assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+        assert backfill.tick(30) == ["rows_20-40", "rows_40-60"]
 
         # Issue 45: the three are extracted (rows_0-20's files since released); a new pass (a retrain from scratch)
         # clears the window's records as it starts, and the released shard is requested again, with no hand work.
         for key in keys[:3]:
-            assert run(defs, instance, ["hidden_states"], partition=key).success
+            assert run(backfill.defs, instance, ["hidden_states"], partition=key).success
             project.store.write_json(manifest_path(key), {})
-        quiet = evaluate_automation_conditions(
-            defs, instance, evaluation_time=start + datetime.timedelta(minutes=31), cursor=later.cursor
-        )
-        assert quiet.get_requested_partitions(rolling.key) == set()
+        assert backfill.tick(31) == []
         assert start_over(project.store, keys, "eagle3") == ["rows_0-20"]
         assert not project.store.exists(manifest_path("rows_0-20"))
         assert project.store.exists(manifest_path("rows_20-40"))
-        again = evaluate_automation_conditions(
-            defs, instance, evaluation_time=start + datetime.timedelta(minutes=32), cursor=quiet.cursor
-        )
-        assert sorted(again.get_requested_partitions(rolling.key)) == ["rows_0-20"]
+        assert backfill.tick(32) == ["rows_0-20"]
 
 
 def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a_shard(tmp_path):
@@ -260,25 +267,12 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
     project = project_at(
         tmp_path, training=TrainingSettings(mode="rolling", window_shards=2), drafters=["eagle3", "dflash"]
     )
-    tokenized = stand_in(project, "tokenized")
-
-    @asset(
-        name="hidden_states", partitions_def=shards, deps=[tokenized],
-        automation_condition=shard_backfill_condition("*/15 * * * *", project),
-    )  # fmt: skip
-    def rolling() -> None:
-        return None
-
-    defs = Definitions(assets=[tokenized, rolling])
     keys = ["rows_0-20", "rows_20-40", "rows_40-60", "rows_60-80"]
-    start = datetime.datetime(2026, 11, 30, 12, 1, tzinfo=datetime.UTC)
     store = project.store
     with instance_for_test() as instance:
-        instance.add_dynamic_partitions("hidden_state_shards", keys)
-        assert run(defs, instance, ["tokenized"]).success
-        first = evaluate_automation_conditions(defs, instance, evaluation_time=start)
-        tick = evaluate_automation_conditions(defs, instance, evaluation_time=start + datetime.timedelta(minutes=15), cursor=first.cursor)
-        assert sorted(tick.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]
+        backfill = RollingBackfill(project, instance, keys)
+        backfill.tick(0)
+        assert backfill.tick(15) == ["rows_0-20", "rows_20-40"]
 
         # EAGLE-3 alone consumed the first shard: dflash still needs it, so it stays in the window.
         record_consumed(store, "rows_0-20", step=7, checkpoint="drafter/checkpoints/step_7")
@@ -293,10 +287,7 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
             "training, and the window now holds ['rows_0-20', 'rows_20-40']. It is admitted once every drafter family "
             "(eagle3, dflash) has consumed the shards before it (materialize `drafter`, `drafter_dflash`)"
         )
-        later = evaluate_automation_conditions(
-            defs, instance, evaluation_time=start + datetime.timedelta(minutes=30), cursor=tick.cursor
-        )
-        assert sorted(later.get_requested_partitions(rolling.key)) == ["rows_0-20", "rows_20-40"]
+        assert backfill.tick(30) == ["rows_0-20", "rows_20-40"]
 
         # DFlash consumed it too: the window moves on by one, and extracting it again is refused naming both.
         record_consumed(
@@ -312,10 +303,7 @@ def test_with_two_drafter_families_the_window_moves_on_only_once_both_consumed_a
             "nothing. A run that trains from scratch clears its window records as it starts, and the window then "
             "admits the shard again"
         )
-        last = evaluate_automation_conditions(
-            defs, instance, evaluation_time=start + datetime.timedelta(minutes=45), cursor=later.cursor
-        )
-        assert sorted(last.get_requested_partitions(rolling.key)) == ["rows_20-40", "rows_40-60"]
+        assert backfill.tick(45) == ["rows_20-40", "rows_40-60"]
 
 
 def test_in_rolling_mode_each_familys_trainer_takes_a_pool_of_its_own(tmp_path):
