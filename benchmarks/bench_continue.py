@@ -1,7 +1,7 @@
 """Appended prompts continue the released drafter (issue 45): continued vs from scratch, on the demo.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_continue.py --work /tmp/bench45 [--target-from .eagle3] \
-        [--fractions 0.1 0.25] [--replay-zero]
+        [--fractions 0.1 0.25] [--replay-rows 0 4000]
 
 Through the real graph (`python -m eagle3_assets.start`, the demo's settings with `drafters: [eagle3]`, the demo's
 prompts as a prompt file of their own and its held-out prompts beside it):
@@ -14,11 +14,12 @@ prompts as a prompt file of their own and its held-out prompts beside it):
 
 Then, in this process, on a copy of the store with the first release put back in `drafter/release/`: a from-scratch
 drafter on all 4,000 rows (the demo recipe: 16 packed epochs), and continuations of the first release at each of
-`--fractions` (and, with `--replay-zero`, at the default fraction with `training.replay_rows: 0`). Every drafter is
-exported and served by one vLLM interpreter (CPU build) on the 64 held-out demo prompts, at k=3 and k=7; output must
-equal plain greedy. Printed: served mean acceptance at k=3 / k=7, optimizer steps, training CPU-seconds, and whether
-the graph's continued drafter was released (BENCHMARKS.md, `continue`). The graph's drafter trains under torchrun
-(its CPU-seconds are the process tree's, from `drafter`'s materialization); the in-process ones count this process.
+`--fractions` (and, with `--replay-rows N …`, at the default fraction with each `training.replay_rows`: 0 replays
+nothing, 4,000 every old training row). Every drafter is exported and served by one vLLM interpreter (CPU build) on
+the 64 held-out demo prompts, at k=3 and k=7; output must equal plain greedy. Printed: served mean acceptance at k=3
+/ k=7, optimizer steps, training CPU-seconds, and whether the graph's continued drafter was released (BENCHMARKS.md,
+`continue`). The in-process drafters' CPU-seconds are this process's (all threads); the graph's drafter trains under
+torchrun, so for it the `drafter` step's wall seconds are given.
 
 `--target-from STORE` copies a built demo target (`target_model/model`) from STORE instead of training it (the
 asset reuses a target built with the same demo settings); each finished phase is recorded in `WORK/state.json`
@@ -137,7 +138,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--work", default="/tmp/bench45")
     ap.add_argument("--target-from", help="a store holding a built demo target to copy (else the graph builds one)")
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.1, 0.25])
-    ap.add_argument("--replay-zero", action="store_true", help="also continue with training.replay_rows 0")
+    ap.add_argument(
+        "--replay-rows",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also continue with each training.replay_rows (default fraction)",
+    )
     ap.add_argument("--until", choices=["first", "second", "train", "serve"], default="serve")
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -161,8 +168,7 @@ def main(argv: list[str]) -> int:
         state["graph"] = graph_figures(work, state["second"]["began"])
     project = Project(load_settings({CONFIG_ENV: str(work / "settings.yaml")}), ArtifactStore(str(work / "store")))
     variants = {"scratch": {}} | {f"continue-{f:g}": {"continue_fraction": f} for f in args.fractions}
-    if args.replay_zero:
-        variants["continue-replay0"] = {"replay_rows": 0}
+    variants |= {f"continue-replay{n}": {"replay_rows": n} for n in args.replay_rows}
     for name, training in variants.items():
         if name not in state:
             state[name] = train_variant(project, work, name, training, scratch=name == "scratch")
@@ -194,6 +200,11 @@ def graph_figures(work: Path, since: float) -> dict[str, Any]:
             ).records
             for r in records:
                 m = r.asset_materialization
+                if key.to_user_string() == "drafter" and "drafter_wall_s" not in meta:
+                    stats = instance.get_run_step_stats(r.run_id)
+                    meta["drafter_wall_s"] = {
+                        "s": round(sum((st.end_time or 0) - (st.start_time or 0) for st in stats))
+                    }
                 made.setdefault(key.to_user_string(), []).append(m.partition or "")
                 meta.setdefault(key.to_user_string(), {k: v.value for k, v in m.metadata.items()})
     responses, drafter, release = meta.get("responses", {}), meta.get("drafter", {}), meta.get("drafter_release", {})
@@ -203,6 +214,7 @@ def graph_figures(work: Path, since: float) -> dict[str, Any]:
         "responses_reused": responses.get("rows_reused"),
         "drafter_trained": drafter.get("trained"),
         "drafter_steps": drafter.get("step"),
+        "drafter_wall_s": meta.get("drafter_wall_s", {}).get("s"),
         "released": release.get("promoted"),
         "release_reason": release.get("reason"),
         "release_figures": {k: v for k, v in release.items() if k.startswith(("new_", "released_"))},
@@ -252,6 +264,7 @@ def table(state: State, names: list[str]) -> str:
         n: state[n]["steps"] for n in names if n in state.data
     }
     cpu = {n: state[n]["train_cpu_s"] for n in names if n in state.data}
+    cpu["graph continued"] = f"({graph['drafter_wall_s']} s wall, torchrun)"
     lines = [
         "| drafter | k=3 | k=7 | ÷ scratch k=3 | ÷ scratch k=7 | optimizer steps | training CPU-s | greedy |",
         "|---|---|---|---|---|---|---|---|",
