@@ -64,6 +64,9 @@ class State:
         self.path = work / "state.json"
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
 
+    def get(self, key: str, default: Any) -> Any:
+        return self.data.get(key, default)
+
     def __contains__(self, key: str) -> bool:
         return key in self.data
 
@@ -145,6 +148,10 @@ def main(argv: list[str]) -> int:
         default=[],
         help="also continue with each training.replay_rows (default fraction)",
     )
+    ap.add_argument(
+        "--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="also a continuation with these training settings (e.g. continue-lr1e-3:lr=1e-3)",
+    )  # fmt: skip
     ap.add_argument("--until", choices=["first", "second", "train", "serve"], default="serve")
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -167,8 +174,13 @@ def main(argv: list[str]) -> int:
     if "graph" not in state:
         state["graph"] = graph_figures(work, state["second"]["began"])
     project = Project(load_settings({CONFIG_ENV: str(work / "settings.yaml")}), ArtifactStore(str(work / "store")))
-    variants = {"scratch": {}} | {f"continue-{f:g}": {"continue_fraction": f} for f in args.fractions}
+    variants: dict[str, dict[str, Any]] = {"scratch": {}} | {
+        f"continue-{f:g}": {"continue_fraction": f} for f in args.fractions
+    }
     variants |= {f"continue-replay{n}": {"replay_rows": n} for n in args.replay_rows}
+    for spec in args.variant:  # NAME:KEY=VALUE,…: each value read as JSON (numbers, null)
+        name, _, pairs = spec.partition(":")
+        variants[name] = {k: json.loads(v) for k, v in (p.split("=", 1) for p in pairs.split(",") if p)}
     for name, training in variants.items():
         if name not in state:
             state[name] = train_variant(project, work, name, training, scratch=name == "scratch")
@@ -179,8 +191,12 @@ def main(argv: list[str]) -> int:
         "graph continued": work / "store" / "drafter" / "export",
         **{name: Path(state[name]["export"]) for name in variants},
     }
-    if "served" not in state:
-        state["served"] = serve(project.target(), project, drafters, project.settings.generation.max_new_tokens)
+    # Served in one interpreter; a later run with more variants serves only the new ones (greedy decoding and the
+    # engine's counters are deterministic: the same drafter serves the same figures in another interpreter).
+    served = state.get("served", {})
+    if todo := {n: d for n, d in drafters.items() if n not in served}:
+        served |= serve(project.target(), project, todo, project.settings.generation.max_new_tokens)
+        state["served"] = served
     print(table(state, list(drafters)))
     return 0
 
