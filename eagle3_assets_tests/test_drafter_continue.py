@@ -15,7 +15,8 @@ from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
 from eagle3_assets.drafter.run import train_and_export
-from eagle3_assets.drafter.sources import continuation_steps
+from eagle3_assets.drafter.distributed import DistEnv
+from eagle3_assets.drafter.sources import continuation_steps, continued_data
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
@@ -138,6 +139,20 @@ def test_a_continuation_never_takes_more_than_its_share_of_the_steps():
     # The demo's from-scratch run takes 1,057 steps: 0.25 of it is 264.25, and 265 steps would be 25.07%.
     assert [continuation_steps(0.25, n) for n in (1057, 1056, 3, 1)] == [264, 264, 1, 1]
     assert continuation_steps(0.1, 1057) == 105 and continuation_steps(1.0, 1057) == 1057
+
+
+def test_a_continuation_replays_every_old_training_row_unless_replay_rows_bounds_it(tmp_path):
+    model = tiny_llama(tmp_path / "target")
+    store = ArtifactStore(tmp_path / "store")
+    rows = random_rows(20, seed=1, min_len=8, max_len=12)
+    old, new = write_shard(store, model, rows[:16], 0), write_shard(store, model, rows[16:], 16)
+    training = TrainingSettings(heldout_rows=4, batch_tokens=96, device="cpu")
+    _, loader, held, c = continued_data(store, [old], [new], training, DistEnv(), data_workers=0)
+    # 16 old rows less the release's 4 held out: all 12 replayed beside the 4 new ones, none held out among them.
+    assert (c.new_rows, c.replayed, len(held), len(loader.samples)) == (4, 12, 4, 16)
+    assert {(s.shard, s.row) for s in held}.isdisjoint((s.shard, s.row) for s in loader.samples)
+    bounded = training.model_copy(update={"replay_rows": 5})
+    assert continued_data(store, [old], [new], bounded, DistEnv(), data_workers=0)[3].replayed == 5
 
 
 def first_heldout(store: ArtifactStore, keys: list[str], training: TrainingSettings):

@@ -86,7 +86,11 @@ def continued_data(
     old_train, held = (old, [])
     if settings.heldout_rows:
         old_train, held = split_heldout(old, settings.heldout_rows, settings.seed)
-    replay = replay_sample(old_train, len(new) if settings.replay_rows is None else settings.replay_rows, settings.seed)
+    # Every old training row by default: replaying only as many as the new rows, the continuation learnt them over
+    # the others and served below the release it started from (BENCHMARKS.md, `continue`). The replay costs no
+    # steps (those are `continue_fraction`'s); `replay_rows` bounds it.
+    n_replay = len(old_train) if settings.replay_rows is None else settings.replay_rows
+    replay = replay_sample(old_train, n_replay, settings.seed)
 
     def loader(samples: Sequence[SampleRef]) -> BatchLoader:
         return BatchLoader(
