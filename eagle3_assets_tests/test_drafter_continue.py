@@ -11,11 +11,11 @@ from safetensors.torch import load as st_load
 
 from eagle3_assets.drafter.checkpoint import read_checkpoint_state
 from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_plan, read_release
+from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
 from eagle3_assets.drafter.run import train_and_export
-from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.sources import continuation_steps, continued_data
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.settings import TrainingSettings
