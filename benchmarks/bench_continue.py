@@ -122,12 +122,12 @@ def graph_env(work: Path) -> dict[str, str]:
     }
 
 
-def start(work: Path, name: str, *, may_fail: bool = False) -> dict[str, Any]:
+def start(work: Path, name: str, *, may_fail: bool = False, args: tuple[str, ...] = ()) -> dict[str, Any]:
     """`python -m eagle3_assets.start` once, its output in WORK/NAME.log; wall seconds and the time it began.
     `may_fail`: a release the gate refused fails its blocking check, and the command says so in its exit status."""
     began = time.time()
     with open(work / f"{name}.log", "w") as out:
-        rc = subprocess.call([sys.executable, "-m", "eagle3_assets.start"], env=graph_env(work), stdout=out,
+        rc = subprocess.call([sys.executable, "-m", "eagle3_assets.start", *args], env=graph_env(work), stdout=out,
                              stderr=subprocess.STDOUT)  # fmt: skip
     wall = time.time() - began
     log(f"{name}: start exited {rc} after {wall:.0f} s (log {work / f'{name}.log'})")
@@ -152,6 +152,7 @@ def main(argv: list[str]) -> int:
         "--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
         help="also a continuation with these training settings (e.g. continue-lr1e-3:lr=1e-3)",
     )  # fmt: skip
+    ap.add_argument("--redo-drafter", action="store_true", help="after the second start, `start --from drafter`")
     ap.add_argument("--until", choices=["first", "second", "train", "serve"], default="serve")
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -173,6 +174,12 @@ def main(argv: list[str]) -> int:
         return 0
     if "graph" not in state:
         state["graph"] = graph_figures(work, state["second"]["began"])
+    if args.redo_drafter and "third" not in state:
+        # The same store, `--from drafter`: the drafter continues the release again with this code's defaults, then
+        # drafter_eval and drafter_release decide (for a run whose second start predates them).
+        log("the same start command with --from drafter")
+        state["third"] = start(work, "start3", may_fail=True, args=("--from", "drafter"))
+        state["graph3"] = graph_figures(work, state["third"]["began"])
     project = Project(load_settings({CONFIG_ENV: str(work / "settings.yaml")}), ArtifactStore(str(work / "store")))
     variants: dict[str, dict[str, Any]] = {"scratch": {}} | {
         f"continue-{f:g}": {"continue_fraction": f} for f in args.fractions
@@ -189,6 +196,7 @@ def main(argv: list[str]) -> int:
     drafters = {
         "first release": work / "first_release",
         "graph continued": work / "store" / "drafter" / "export",
+        **({"graph continued, --from drafter": work / "store" / "drafter" / "export"} if "third" in state else {}),
         **{name: Path(state[name]["export"]) for name in variants},
     }
     # Served in one interpreter; a later run with more variants serves only the new ones (greedy decoding and the
@@ -276,9 +284,12 @@ def table(state: State, names: list[str]) -> str:
     served = state["served"]
     scratch = served["scratch"]
     graph = state["graph"]
-    steps = {"first release": "", "graph continued": graph["drafter_steps"]} | {
-        n: state[n]["steps"] for n in names if n in state.data
-    }
+    third = state.get("graph3", {})
+    steps = {
+        "first release": "",
+        "graph continued": graph["drafter_steps"],
+        "graph continued, --from drafter": third.get("drafter_steps"),
+    } | {n: state[n]["steps"] for n in names if n in state.data}
     cpu = {n: state[n]["train_cpu_s"] for n in names if n in state.data}
     cpu["graph continued"] = f"({graph['drafter_wall_s']} s wall, torchrun)"
     lines = [
@@ -302,6 +313,11 @@ def table(state: State, names: list[str]) -> str:
         f"drafter_release: promoted {graph['released']}: {graph['release_reason']}",
         f"first start {state['first']['wall_s']} s, second start {state['second']['wall_s']} s",
     ]
+    if third:
+        lines += [
+            f"--from drafter: {third['drafter_trained']} ({third['drafter_wall_s']} s wall)",
+            f"drafter_release: promoted {third['released']}: {third['release_reason']}",
+        ]
     return "\n".join(lines)
 
 
