@@ -243,7 +243,7 @@ def graph_figures(work: Path, since: float) -> dict[str, Any]:
         "release_reason": release.get("reason"),
         "release_figures": {k: v for k, v in release.items() if k.startswith(("new_", "released_"))},
     }
-    log(f"second start: {json.dumps(out)}")
+    log(f"start since {time.strftime('%H:%M:%S', time.localtime(since))}: {json.dumps(out)}")
     return out
 
 
