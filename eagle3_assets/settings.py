@@ -229,9 +229,8 @@ class TrainingSettings(_Section):
         0.25, gt=0.0, le=1.0, description="continuing: the optimizer steps of a continuation, as a share of the "
         "steps a from-scratch run would take (rounded down). Measured on the demo (BENCHMARKS.md `continue`): with "
         "every old row replayed, 0.25 (264 of 1,057 steps, 0.26x the CPU) served 0.980 / 0.990 of a from-scratch "
-        "drafter at k=3 / k=7; with 400 replayed rows, 0.1 served as 0.25 did at k=3 (2.479) and better at k=7 "
-        "(3.119 vs 3.078), both below the release: the replay decides, not the steps. 0.25 is kept, the issue's "
-        "cost bound and the share that reached the from-scratch drafter's figures within 2%",
+        "drafter at k=3 / k=7, 0.1 (105 steps) 0.961 / 0.948; with 400 replayed rows 0.1 and 0.25 served alike "
+        "(k=3 2.479), both below the release. 0.25 is kept: within 2% of from scratch at the issue's cost bound",
     )  # fmt: skip
 
     @property
