@@ -11,10 +11,12 @@ from safetensors.torch import load as st_load
 
 from eagle3_assets.drafter.checkpoint import read_checkpoint_state
 from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_plan, read_release
+from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
 from eagle3_assets.drafter.run import train_and_export
+from eagle3_assets.drafter.sources import continuation_steps, continued_data
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
@@ -109,7 +111,7 @@ def test_appended_shards_continue_the_released_drafter_on_new_and_replayed_rows_
     second = train_and_export(store, target, settings, keys, log=logs.append)
     c = second.result.continued
     assert c is not None and (c.release_sha256, c.new_rows, c.replayed) == (sha, 16, 6)
-    assert c.steps == math.ceil(0.25 * c.scratch_steps) == second.result.total_steps == second.result.step
+    assert c.steps == math.floor(0.25 * c.scratch_steps) == second.result.total_steps == second.result.step
     assert second.summary["trained"] == f"continued from the release ({sha[:12]}) with 16 new rows and 6 replayed, {c.steps} steps"
     assert f"drafter: {second.summary['trained']}" in " ".join(logs)
     # Its checkpoints (a from-scratch run's were removed, naming why) record every row it trained: the new shard's
@@ -130,6 +132,26 @@ def test_appended_shards_continue_the_released_drafter_on_new_and_replayed_rows_
     scratch = train_and_export(store, target, settings, keys, log=lambda _: None, max_steps=1)
     assert scratch.summary["trained"] == "from scratch: nothing is released"
     assert scratch.result.total_steps == c.scratch_steps
+
+
+def test_a_continuation_never_takes_more_than_its_share_of_the_steps():
+    # The demo's from-scratch run takes 1,057 steps: 0.25 of it is 264.25, and 265 steps would be 25.07%.
+    assert [continuation_steps(0.25, n) for n in (1057, 1056, 3, 1)] == [264, 264, 1, 1]
+    assert continuation_steps(0.1, 1057) == 105 and continuation_steps(1.0, 1057) == 1057
+
+
+def test_a_continuation_replays_every_old_training_row_unless_replay_rows_bounds_it(tmp_path):
+    model = tiny_llama(tmp_path / "target")
+    store = ArtifactStore(tmp_path / "store")
+    rows = random_rows(20, seed=1, min_len=8, max_len=12)
+    old, new = write_shard(store, model, rows[:16], 0), write_shard(store, model, rows[16:], 16)
+    training = TrainingSettings(heldout_rows=4, batch_tokens=96, device="cpu")
+    _, loader, held, c = continued_data(store, [old], [new], training, DistEnv(), data_workers=0)
+    # 16 old rows less the release's 4 held out: all 12 replayed beside the 4 new ones, none held out among them.
+    assert (c.new_rows, c.replayed, len(held), len(loader.samples)) == (4, 12, 4, 16)
+    assert {(s.shard, s.row) for s in held}.isdisjoint((s.shard, s.row) for s in loader.samples)
+    bounded = training.model_copy(update={"replay_rows": 5})
+    assert continued_data(store, [old], [new], bounded, DistEnv(), data_workers=0)[3].replayed == 5
 
 
 def first_heldout(store: ArtifactStore, keys: list[str], training: TrainingSettings):

@@ -87,7 +87,11 @@ def continued_data(
     old_train, held = (old, [])
     if settings.heldout_rows:
         old_train, held = split_heldout(old, settings.heldout_rows, settings.seed)
-    replay = replay_sample(old_train, len(new) if settings.replay_rows is None else settings.replay_rows, settings.seed)
+    # Every old training row by default: replaying only as many as the new rows, the continuation learnt them over
+    # the others and served below the release it started from (BENCHMARKS.md, `continue`). The replay costs no
+    # steps (those are `continue_fraction`'s); `replay_rows` bounds it.
+    n_replay = len(old_train) if settings.replay_rows is None else settings.replay_rows
+    replay = replay_sample(old_train, n_replay, settings.seed)
 
     def loader(samples: Sequence[SampleRef]) -> BatchLoader:
         return BatchLoader(
@@ -99,8 +103,14 @@ def continued_data(
     every = [*old, *new]
     scratch_train = split_heldout(every, settings.heldout_rows, settings.seed)[0] if settings.heldout_rows else every
     scratch = settings.steps or loader(scratch_train).total_steps(settings.epochs)
-    steps = max(1, math.ceil(settings.continue_fraction * scratch))
+    steps = continuation_steps(settings.continue_fraction, scratch)
     return fmt, loader([*replay, *new]), held, ContinuedData(len(new), len(replay), steps, scratch)
+
+
+def continuation_steps(fraction: float, scratch_steps: int) -> int:
+    """A continuation's step budget: `fraction` of a from-scratch run's steps, rounded down (the share is a bound:
+    rounded up, 0.25 of 1,057 steps would be 265, 25.07%), and at least one step."""
+    return max(1, math.floor(fraction * scratch_steps))
 
 
 def rolling_data(
@@ -138,7 +148,7 @@ def rolling_data(
         kept = set(store.listdir(REPLAY_DIR))
         in_reservoir = [r for r in plan.kept_before if f"{r.row}{SAMPLE_SUFFIX}" in kept]
         new_rows = sum(len(t) for t in plan.train)
-        n_replay = new_rows if settings.replay_rows is None else settings.replay_rows
+        n_replay = len(in_reservoir) if settings.replay_rows is None else settings.replay_rows  # as offline: all
         replay = replay_sample(in_reservoir, n_replay, settings.seed)
         plan = plan.with_replay(replay)
         scratch = RollingPlan.from_tokenized(
