@@ -90,11 +90,17 @@ def main(argv: list[str]) -> int:
         if out.exists("drafter"):
             out.remove("drafter", recursive=True)
         before, wall = cpu_seconds(), time.perf_counter()
+        seconds: dict[int, float] = {}  # step -> its wall seconds (the step after an evaluation includes it)
         result = train_drafter(store, keys, vmap=vmap, target=target, settings=training, family=family,
+                               on_metrics=lambda step, m, into=seconds: into.__setitem__(step, m["seconds"]),
                                log=lambda line: None)  # fmt: skip
+        plain = sorted(v for s, v in seconds.items() if s % EVERY != 1)
+        after_eval = [v for s, v in seconds.items() if s % EVERY == 1 and s > 1]
         line = {"trained": variant, "steps": result.step, "train_cpu_s": round(cpu_seconds() - before),
                 "train_wall_s": round(time.perf_counter() - wall),
                 "evals": [(e["step"], round(e["accept_len_k3"], 3), round(e["accept_len_k7"], 3)) for e in result.evaluations],
+                "step_s_median": round(plain[len(plain) // 2], 4),
+                "eval_and_checkpoint_s_mean": round(sum(after_eval) / max(1, len(after_eval)) - plain[len(plain) // 2], 3),
                 "picks": {p: pick(result.evaluations, p)["step"] for p in ("best@100", "best@200", "best@1000", "last")}}  # fmt: skip
         print(json.dumps(line), flush=True)
 

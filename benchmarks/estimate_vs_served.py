@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.calibration import EstimatePoint, leave_one_out, mean_ratio, spearman
 
 
 def main(paths: list[str]) -> int:
-    rows = [json.loads(line) for p in paths for line in open(p) if line.strip().startswith("{")]
+    lines = [line for p in paths for line in Path(p).read_text().splitlines()]
+    rows = [json.loads(line) for line in lines if line.strip().startswith("{")]
     rows = [r for r in rows if "served_k3" in r]
     out: dict[str, object] = {"drafters": len(rows), "families": sorted({r["family"] for r in rows})}
     for k in SPECULATIVE_TOKENS:
@@ -36,10 +38,14 @@ def main(paths: list[str]) -> int:
                 "mean_abs_error": round(sum(abs(c - s) for c, s in judged) / len(judged), 3),
             },
             "per_drafter": [
-                {"drafter": p.export_sha256, "estimate": p.estimate, "calibrated": None if c is None else round(c, 3),
-                 "served": p.served}
+                {
+                    "drafter": p.export_sha256,
+                    "estimate": p.estimate,
+                    "calibrated": None if c is None else round(c, 3),
+                    "served": p.served,
+                }
                 for p, c in zip(points, loo)
-            ],  # fmt: skip
+            ],
         }
     print(json.dumps(out, indent=1))
     return 0
