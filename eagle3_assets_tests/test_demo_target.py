@@ -330,8 +330,8 @@ def test_two_builds_are_one_target_identity(tmp_path: Path):
 
 
 def test_the_build_trains_on_one_thread_whatever_the_process_has(tmp_path: Path):
-    # Issue 43, item 6: the float reduction order follows the thread count, so a build on the threads the process
-    # was given made other bytes on other machines. One thread, then the caller's count back.
+    # Issue 43, item 6: a build on the threads the process was given let each machine's core count (or
+    # OMP_NUM_THREADS) into the float reduction order. One thread, then the caller's count back.
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     seen: list[int] = []
