@@ -35,7 +35,7 @@ from eagle3_assets.drafter.dflash_model import DFlashConfig
 from eagle3_assets.drafter.evaluate import load_eval_prompts
 from eagle3_assets.drafter.family import DFlash, Eagle3, Family, mask_token_id
 from eagle3_assets.drafter.model import DrafterConfig
-from eagle3_assets.drafter.selection import best_index
+from eagle3_assets.drafter.selection import BEST_DIR, best_index
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
@@ -118,7 +118,10 @@ def main(argv: list[str]) -> int:
         if any(r["variant"] == variant and r["step"] == ev["step"] for r in served):
             continue  # another policy's pick, served once
         rel = checkpoint_rel(ev["step"])
-        state = read_checkpoint_state(out, rel).state
+        if ev["step"] not in steps:  # a best step between kept checkpoints: its weights are in best/
+            assert read_checkpoint_state(out, BEST_DIR).step == ev["step"], f"{spec}: no weights of step {ev['step']}"
+            rel = BEST_DIR
+        state = read_checkpoint_state(out, checkpoint_rel(steps[-1])).state  # the config and aux layers
         cfg = (DrafterConfig if family.name == "eagle3" else DFlashConfig)(**state["drafter_config"])
         export_rel = f"drafter/export_step_{ev['step']}"
         family.export(out, read_model_tensors(out, rel), cfg, state["aux_layer_ids"], export_rel)
