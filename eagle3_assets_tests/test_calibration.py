@@ -93,7 +93,10 @@ def test_drafter_eval_reports_the_calibrated_estimate_and_keeps_its_own_point(tm
         "drafter_eval: k=3 held-out estimate 4.000, calibrated 2.500 (by 1 past eagle3 evaluation(s) of this store), "
         "served 2.600"
     )
-    assert load_history(store)[-2:] == [EstimatePoint("eagle3", 3, 4.0, 2.6, "new"), EstimatePoint("eagle3", 7, 6.0, 3.4, "new")]
+    assert load_history(store)[-2:] == [
+        EstimatePoint("eagle3", 3, 4.0, 2.6, "new"),
+        EstimatePoint("eagle3", 7, 6.0, 3.4, "new"),
+    ]
     # A family with no past evaluation: reported as not calibrated, and its point kept for the next.
     dflash = EvalReport(prompts=64, max_tokens=160, export_sha256="d", acceptance={"k3": 1.8, "k7": 2.0})
     lines.clear()
