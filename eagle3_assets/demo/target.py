@@ -11,8 +11,9 @@ The directory is assembled under a temporary name next to `out_dir` and renamed 
 place at the end, so a crash never leaves a directory that looks like a model.
 The same bytes on every build of one commit (issue 43, item 6): the build trains on exactly one
 thread, whatever the process was given, so no machine's core count or OMP_NUM_THREADS enters the
-float reduction order (on the 2-core machine 1 and 2 threads gave the same bytes, and 2 ran 8x
-slower on cores another process was busy on: BENCHMARKS.md, `demo reproducibility`); and the
+float reduction order (on the 2-core machine 1 and 2 threads gave the same bytes; 2 built 1.5x
+faster on quiet cores and 8x slower on cores another process was busy on: BENCHMARKS.md, `demo
+reproducibility`); and the
 build info file holds what the target is, never where or how long it was built
 (`DemoTargetInfo.file_json`), since the target's identity digests every one of its files.
 """
