@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from eagle3_assets.demo.world import (
     single_fact_conversation,
     template_conversation,
 )
+from eagle3_assets.provenance import target_identity
 from eagle3_assets.settings import DemoSettings
 
 
@@ -284,7 +286,7 @@ def test_untrained_build_writes_a_loadable_model_dir(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temporaries left beside it
     assert (info.path, info.vocab_size, info.num_layers, info.hidden_size, info.head_dim) == (str(out), 1024, 4, 128, 32)
     assert info.train_loss is None and info.fact_accuracy_train == 0.0
-    assert read_build_info(out) == info
+    assert read_build_info(out) == replace(info, build_seconds=None)  # the file keeps what the target is, not the run
     assert any("tokenizer trained, 1024 ids" in line for line in logs)
 
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -315,6 +317,30 @@ def test_rebuild_replaces_the_dir_with_identical_files(tmp_path: Path):
     second = load_file(out / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     assert (out / "tokenizer.json").read_text() == tokenizer_json
+
+
+def test_two_builds_are_one_target_identity(tmp_path: Path):
+    # Issue 43, item 6: the build info file held the build's temporary path and its seconds, so every fresh
+    # demo of one commit was a new target (its identity digests every content file).
+    a = build_demo_target(tmp_path / "a", demo_settings(train_steps=0), log=lambda _: None)
+    b = build_demo_target(tmp_path / "b", demo_settings(train_steps=0), log=lambda _: None)
+    assert a.build_seconds is not None and b.build_seconds is not None  # still reported by the build itself
+    assert target_identity(str(tmp_path / "a")) == target_identity(str(tmp_path / "b"))
+    assert "build_seconds" not in json.loads((tmp_path / "a" / BUILD_INFO_FILE).read_text())
+
+
+def test_the_build_trains_on_one_thread_whatever_the_process_has(tmp_path: Path):
+    # Issue 43, item 6: a build on the threads the process was given let each machine's core count (or
+    # OMP_NUM_THREADS) into the float reduction order. One thread, then the caller's count back.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    try:
+        demo = demo_settings(train_steps=1, hidden_size=64)
+        build_demo_target(tmp_path / "t", demo, log=lambda _: seen.append(torch.get_num_threads()))
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_build_failing_midway_leaves_nothing(tmp_path: Path):

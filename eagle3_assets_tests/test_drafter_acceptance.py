@@ -105,6 +105,6 @@ def test_the_best_evaluation_is_the_last_rise_and_early_stop_counts_evaluations_
 def test_early_stop_without_held_out_rows_or_in_rolling_mode_is_refused():
     with pytest.raises(ValidationError, match="heldout_rows: 0 leaves nothing to evaluate"):
         TrainingSettings(heldout_rows=0, early_stop_evals=2)
-    assert TrainingSettings(heldout_rows=0).export_checkpoint == "best"  # the default falls back to the last step
+    assert TrainingSettings(heldout_rows=0).export_checkpoint == "last"  # the default: measured to serve more
     with pytest.raises(ValidationError, match="early_stop_evals: rolling mode trains and releases each shard"):
         TrainingSettings(mode="rolling", early_stop_evals=2)

@@ -9,9 +9,13 @@ template, greedy generation config) that vLLM can serve.
 
 The directory is assembled under a temporary name next to `out_dir` and renamed into
 place at the end, so a crash never leaves a directory that looks like a model.
-Deterministic given `demo.seed` and the thread count: 2 during the build, or 1 in a process
-given one thread (OMP_NUM_THREADS=1, as each test worker is): two threads on a core another
-process is busy on run several times slower than one.
+The same bytes on every build of one commit (issue 43, item 6): the build trains on exactly one
+thread, whatever the process was given, so no machine's core count or OMP_NUM_THREADS enters the
+float reduction order (on the 2-core machine 1 and 2 threads gave the same bytes; 2 built 1.5x
+faster on quiet cores and 8x slower on cores another process was busy on: BENCHMARKS.md, `demo
+reproducibility`); and the
+build info file holds what the target is, never where or how long it was built
+(`DemoTargetInfo.file_json`), since the target's identity digests every one of its files.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class TrainingRecipe:
     max_position_embeddings: int = 2048
     tokenizer_corpus_rows: int = 3000  # random pair/template rows added to the tokenizer corpus
     eval_template_rows: int = 64
-    threads: int = 2  # at most: a process given fewer threads (OMP_NUM_THREADS) keeps its number
+    threads: int = 1  # exactly, whatever the process was given: the same bytes on every machine
 
 
 RECIPE = TrainingRecipe()
@@ -93,10 +97,15 @@ class DemoTargetInfo:
     fact_accuracy_heldout: float  # same for heldout entities
     fact_value_accuracy: float  # share of recalled attribute values that are right, all entities
     template_accuracy: float  # share of template prompts answered exactly
-    build_seconds: float
+    build_seconds: float | None  # this build's; None when read from the file, which does not keep it
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def file_json(self) -> dict:
+        """What `BUILD_INFO_FILE` holds: the target, without where or how long this build ran (the file is part
+        of the target's content identity, so those would make every build of one commit a new target)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("path", "build_seconds")}
 
 
 def check_demo_settings(demo: DemoSettings) -> None:
@@ -314,7 +323,7 @@ def _save(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, info: DemoTarge
         eos_token_id=TOKEN_IDS[END],
         pad_token_id=TOKEN_IDS[PAD],
     ).save_pretrained(dest)
-    (dest / BUILD_INFO_FILE).write_text(json.dumps(info.to_json(), indent=2) + "\n")
+    (dest / BUILD_INFO_FILE).write_text(json.dumps(info.file_json(), indent=2) + "\n")
 
 
 def build_demo_target(out_dir: Path, demo: DemoSettings, *, log: Callable[[str], None] = print) -> DemoTargetInfo:
@@ -323,7 +332,7 @@ def build_demo_target(out_dir: Path, demo: DemoSettings, *, log: Callable[[str],
     out_dir = Path(out_dir)
     started = time.monotonic()
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(RECIPE.threads, threads))
+    torch.set_num_threads(RECIPE.threads)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         world = demo_world(demo.seed)
@@ -379,5 +388,4 @@ def _replace_dir(src: Path, dest: Path) -> None:
 def read_build_info(model_dir: Path) -> DemoTargetInfo:
     """The info written by `build_demo_target` (path rewritten to where the directory is now)."""
     data = json.loads((Path(model_dir) / BUILD_INFO_FILE).read_text())
-    data["path"] = str(model_dir)
-    return DemoTargetInfo(**data)
+    return DemoTargetInfo(**{"build_seconds": None, **data, "path": str(model_dir)})

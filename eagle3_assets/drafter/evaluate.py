@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
+from eagle3_assets.drafter.calibration import EstimatePoint, correction, exported_estimate, load_history, record
 from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, split_group, too_small
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
@@ -55,7 +56,7 @@ from eagle3_assets.drafter.release import (
     other_target,
     target_version,
 )
-from eagle3_assets.drafter.run import heldout_metrics
+from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
@@ -104,6 +105,11 @@ class EvalReport:
     acceptance_by_bin: dict[str, dict[str, float]] = field(default_factory=dict)  # bin -> "k3" -> acceptance
     per_position: dict[str, list[float]] = field(default_factory=dict)
     heldout_training_metrics: dict[str, float] = field(default_factory=dict)
+    # The held-out estimate of the served weights ("k3" -> accept_len), and it calibrated by this store's past
+    # evaluations of the family (`calibration.py`), with how many it rests on (0: not calibrated).
+    estimate: dict[str, float] = field(default_factory=dict)
+    calibrated_estimate: dict[str, float] = field(default_factory=dict)
+    calibration_points: dict[str, int] = field(default_factory=dict)
     token_accuracy: dict[str, ClassAccuracy] = field(default_factory=dict)  # class -> acc_k on the greedy answers
     off_reference: list[str] = field(default_factory=list)  # prompt ids answered unlike their reference
     mismatches: list[dict] = field(default_factory=list)
@@ -182,6 +188,12 @@ class EvalReport:
         meta["min_prompts_per_bin"] = self.min_prompts_per_bin
         meta["context_bins_too_small"] = self.too_small_bins
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
+        for k, est in self.estimate.items():
+            meta[f"estimate_{k}"] = round(est, 4)
+            meta[f"estimate_over_served_{k}"] = round(est / self.acceptance[k], 4) if self.acceptance.get(k) else 0.0
+            meta[f"calibration_evals_{k}"] = self.calibration_points.get(k, 0)
+            if k in self.calibrated_estimate:
+                meta[f"calibrated_estimate_{k}"] = round(self.calibrated_estimate[k], 4)
         for c, acc in self.token_accuracy.items():
             if not acc.predictions[0]:
                 continue  # no token of this class in the eval set (plain prompts carry no kind or reference)
@@ -284,6 +296,37 @@ def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, m
     return passes * (settings.engine_load_s + prompts * max_tokens / settings.min_tokens_per_s)
 
 
+def calibrate(
+    store: ArtifactStore, out: ArtifactStore, report: EvalReport, family: str, log: Callable[[str], None]
+) -> None:
+    """The served export's held-out estimate against what it served, calibrated by this store's past evaluations of
+    the family (this export's own points left out); then this evaluation joins them (`calibration.py`)."""
+    metrics = out.read_json(DRAFTER_METRICS_FILE) if out.exists(DRAFTER_METRICS_FILE) else {}
+    history = load_history(store)
+    points = []
+    for k in SPECULATIVE_TOKENS:
+        est, served = exported_estimate(metrics, k), report.acceptance.get(f"k{k}")
+        if est is None or served is None:
+            continue
+        report.estimate[f"k{k}"] = est
+        c = correction(history, family, k, leave_out=report.export_sha256)
+        report.calibration_points[f"k{k}"] = 0 if c is None else c.points
+        if c is None:
+            log(
+                f"drafter_eval: k={k} held-out estimate {est:.3f}, served {served:.3f} (not calibrated: no past "
+                f"{family} evaluation in this store)"
+            )
+        else:
+            report.calibrated_estimate[f"k{k}"] = c.apply(est)
+            log(
+                f"drafter_eval: k={k} held-out estimate {est:.3f}, calibrated {c.apply(est):.3f} (by {c.points} past "
+                f"{family} evaluation(s) of this store), served {served:.3f}"
+            )
+        points.append(EstimatePoint(family, k, est, served, report.export_sha256))
+    if points:
+        record(store, points)
+
+
 def evaluate_drafter(
     store: ArtifactStore,
     target: TargetModel,
@@ -374,6 +417,7 @@ def evaluate_drafter(
             if acc.predictions[0]:
                 log(f"drafter_eval: {c} tokens ({acc.predictions[0]}): acc_0 {acc.acc[0]:.3f}")
     report.heldout_training_metrics = heldout_metrics(out)
+    calibrate(store, out, report, family, log)
     out.write_json(
         EVAL_REPORT_FILE,
         {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches},

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from eagle3_assets.artifacts import drafter_artifact
+from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
+from eagle3_assets.drafter.calibration import EstimatePoint, correction, exported_estimate, load_history
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.continuation import continuation_plan, model_loss_settings, read_release, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
@@ -120,10 +122,14 @@ def export_choice(
 def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
     """What the drafter asset's materialization shows: the summary, the export and where to look.
 
-    The same on every rank (the metrics are summed over ranks; rank 0 writes the export)."""
+    The same on every rank (the metrics are summed over ranks; rank 0 writes the export). The exported weights'
+    held-out estimate is also given calibrated by this store's past drafter_eval figures of the family
+    (`calibration.py`): what vLLM will likely serve, and how many evaluations that rests on."""
+    calibrated = calibrated_figures(load_history(store), run.result.family.name, run.summary)
     store = store.child(run.result.family.root)
     return {
         **run.summary,
+        **calibrated,
         "family": run.result.family.name,
         "aux_layer_ids": run.result.family.aux_layer_ids(run.result.aux_layer_ids),
         "evaluations": run.result.evaluations,
@@ -131,6 +137,21 @@ def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
         "checkpoint": store.url_of(run.result.checkpoint),
         "tensorboard": store.url_of(TENSORBOARD_DIR),
     }
+
+
+def calibrated_figures(history: list[EstimatePoint], family: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """`estimate_k3`, `calibrated_estimate_k3` (absent without a past evaluation) and `calibration_evals_k3`, per k."""
+    out: dict[str, Any] = {}
+    for k in SPECULATIVE_TOKENS:
+        est = exported_estimate(summary, k)
+        if est is None:
+            continue
+        c = correction(history, family, k)
+        out[f"estimate_k{k}"] = round(est, 4)
+        out[f"calibration_evals_k{k}"] = 0 if c is None else c.points
+        if c is not None:
+            out[f"calibrated_estimate_k{k}"] = round(c.apply(est), 4)
+    return out
 
 
 def heldout_metrics(store: ArtifactStore) -> dict[str, float]:
