@@ -12,12 +12,14 @@ from eagle3_assets.drafter.calibration import (
     leave_one_out,
     load_history,
     mean_ratio,
+    measured_against,
     ranks,
     record,
     spearman,
 )
 from eagle3_assets.drafter.evaluate import EvalReport, calibrate
 from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, calibrated_figures
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE
 from eagle3_assets.storage import ArtifactStore
 
 POINTS = [
@@ -80,7 +82,11 @@ def test_exported_estimate_is_the_exported_steps() -> None:
 
 def test_drafter_eval_reports_the_calibrated_estimate_and_keeps_its_own_point(tmp_path) -> None:
     store = ArtifactStore(tmp_path)
-    record(store, [EstimatePoint("eagle3", 3, 3.0, 2.0, "old"), EstimatePoint("eagle3", 7, 5.0, 3.0, "old")])
+    store.write_text(EVAL_PROMPTS_FILE, '{"id": "q1", "prompt": "Where is Avalon?"}\n')
+    here = measured_against(store, "")  # EvalReport's engine is "" here
+    record(store, [EstimatePoint("eagle3", 3, 3.0, 2.0, "old", here), EstimatePoint("eagle3", 7, 5.0, 3.0, "old", here)])
+    # Served against other eval prompts: it would pull the ratio to 0.9, but it measured something else.
+    record(store, [EstimatePoint("eagle3", 3, 3.0, 2.8, "elsewhere", "other prompts")])
     store.write_json(DRAFTER_METRICS_FILE, {"best_step": 400, "exported_step": 400, "best_accept_len_k3": 4.0,
                                             "best_accept_len_k7": 6.0})  # fmt: skip
     report = EvalReport(prompts=64, max_tokens=160, export_sha256="new", acceptance={"k3": 2.6, "k7": 3.4})
@@ -94,9 +100,15 @@ def test_drafter_eval_reports_the_calibrated_estimate_and_keeps_its_own_point(tm
         "served 2.600"
     )
     assert load_history(store)[-2:] == [
-        EstimatePoint("eagle3", 3, 4.0, 2.6, "new"),
-        EstimatePoint("eagle3", 7, 6.0, 3.4, "new"),
+        EstimatePoint("eagle3", 3, 4.0, 2.6, "new", here),
+        EstimatePoint("eagle3", 7, 6.0, 3.4, "new", here),
     ]
+    # Other eval prompts are another measure: no past point calibrates it.
+    store.write_text(EVAL_PROMPTS_FILE, '{"id": "q2", "prompt": "Where is Kamivel?"}\n')
+    assert measured_against(store, "") != here and measured_against(store, "vllm 0.33") != measured_against(store, "")
+    again = EvalReport(prompts=64, max_tokens=160, export_sha256="next", acceptance={"k3": 2.6, "k7": 3.4})
+    calibrate(store, store, again, "eagle3", lines.append)
+    assert again.calibrated_estimate == {} and again.calibration_points == {"k3": 0, "k7": 0}
     # A family with no past evaluation: reported as not calibrated, and its point kept for the next.
     dflash = EvalReport(prompts=64, max_tokens=160, export_sha256="d", acceptance={"k3": 1.8, "k7": 2.0})
     lines.clear()

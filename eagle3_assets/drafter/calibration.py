@@ -11,14 +11,19 @@ this store keeps them (`HISTORY_FILE`, one point per family, k and export) and c
 
 on the tokens beyond the one every target forward gives (a drafter estimated at 1.0 serves 1.0, whatever the
 ratio). A family with no past point at that k has no calibrated figure: it is reported as not calibrated, never
-borrowed from another family (their ratios differ). `leave_one_out` is how the correction is judged (BENCHMARKS.md).
+borrowed from another family (their ratios differ), nor from points served against another target, other eval
+prompts or another engine (`measured_against`). `leave_one_out` is how the correction is judged (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from eagle3_assets.drafter.release import target_version
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE
+from eagle3_assets.provenance import digest
 from eagle3_assets.storage import ArtifactStore
 
 HISTORY_FILE = "drafter_eval/estimate_history.json"  # at the store's top: every family's points in one list
@@ -33,6 +38,7 @@ class EstimatePoint:
     estimate: float
     served: float
     export_sha256: str = ""  # which export (`release.export_digest`): a re-evaluation replaces its points
+    against: str = ""  # what it was served against (`measured_against`): only points of the same calibrate
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,22 @@ class Correction:
         return 1.0 + self.ratio * (estimate - 1.0)
 
 
-def correction(points: Sequence[EstimatePoint], family: str, k: int, *, leave_out: str = "") -> Correction | None:
-    """The family's correction at k from `points` (those of export `leave_out` left out); None without any."""
+def measured_against(store: ArtifactStore, engine: str) -> str:
+    """What a served figure of this store is measured against: the target, the eval prompts' bytes and the engine.
+    Another of any serves other figures for the same estimate."""
+    prompts = store.read_bytes(EVAL_PROMPTS_FILE) if store.exists(EVAL_PROMPTS_FILE) else b""
+    return digest({"target": target_version(store), "eval_prompts": hashlib.sha256(prompts).hexdigest(), "engine": engine})
+
+
+def correction(
+    points: Sequence[EstimatePoint], family: str, k: int, *, against: str = "", leave_out: str = ""
+) -> Correction | None:
+    """The family's correction at k from `points` served `against` the same (those of export `leave_out` left out);
+    None without any."""
     usable = [
         p for p in points
-        if p.family == family and p.k == k and p.estimate > 1.0 and not (leave_out and p.export_sha256 == leave_out)
+        if p.family == family and p.k == k and p.against == against and p.estimate > 1.0
+        and not (leave_out and p.export_sha256 == leave_out)
     ]  # fmt: skip
     if not usable:
         return None
@@ -63,7 +80,7 @@ def leave_one_out(points: Sequence[EstimatePoint]) -> list[float | None]:
     out: list[float | None] = []
     for i, p in enumerate(points):
         others = [q for j, q in enumerate(points) if j != i]
-        c = correction(others, p.family, p.k)
+        c = correction(others, p.family, p.k, against=p.against)
         out.append(None if c is None else c.apply(p.estimate))
     return out
 

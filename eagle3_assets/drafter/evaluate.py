@@ -42,7 +42,14 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
-from eagle3_assets.drafter.calibration import EstimatePoint, correction, exported_estimate, load_history, record
+from eagle3_assets.drafter.calibration import (
+    EstimatePoint,
+    correction,
+    exported_estimate,
+    load_history,
+    measured_against,
+    record,
+)
 from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, split_group, too_small
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
@@ -302,14 +309,14 @@ def calibrate(
     """The served export's held-out estimate against what it served, calibrated by this store's past evaluations of
     the family (this export's own points left out); then this evaluation joins them (`calibration.py`)."""
     metrics = out.read_json(DRAFTER_METRICS_FILE) if out.exists(DRAFTER_METRICS_FILE) else {}
-    history = load_history(store)
+    history, against = load_history(store), measured_against(store, report.engine)
     points = []
     for k in SPECULATIVE_TOKENS:
         est, served = exported_estimate(metrics, k), report.acceptance.get(f"k{k}")
         if est is None or served is None:
             continue
         report.estimate[f"k{k}"] = est
-        c = correction(history, family, k, leave_out=report.export_sha256)
+        c = correction(history, family, k, against=against, leave_out=report.export_sha256)
         report.calibration_points[f"k{k}"] = 0 if c is None else c.points
         if c is None:
             log(
@@ -322,7 +329,7 @@ def calibrate(
                 f"drafter_eval: k={k} held-out estimate {est:.3f}, calibrated {c.apply(est):.3f} (by {c.points} past "
                 f"{family} evaluation(s) of this store), served {served:.3f}"
             )
-        points.append(EstimatePoint(family, k, est, served, report.export_sha256))
+        points.append(EstimatePoint(family, k, est, served, report.export_sha256, against))
     if points:
         record(store, points)
 

@@ -19,7 +19,13 @@ import torch
 
 from eagle3_assets.artifacts import drafter_artifact
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
-from eagle3_assets.drafter.calibration import EstimatePoint, correction, exported_estimate, load_history
+from eagle3_assets.drafter.calibration import (
+    EstimatePoint,
+    correction,
+    exported_estimate,
+    load_history,
+    measured_against,
+)
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.continuation import continuation_plan, model_loss_settings, read_release, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
@@ -28,6 +34,7 @@ from eagle3_assets.drafter.family import family_of
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, continued_line, train_drafter
+from eagle3_assets.drafter.vllm_eval import engine_version
 from eagle3_assets.provenance import Inputs, expected
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -125,7 +132,8 @@ def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
     The same on every rank (the metrics are summed over ranks; rank 0 writes the export). The exported weights'
     held-out estimate is also given calibrated by this store's past drafter_eval figures of the family
     (`calibration.py`): what vLLM will likely serve, and how many evaluations that rests on."""
-    calibrated = calibrated_figures(load_history(store), run.result.family.name, run.summary)
+    against = measured_against(store, engine_version())
+    calibrated = calibrated_figures(load_history(store), run.result.family.name, run.summary, against)
     store = store.child(run.result.family.root)
     return {
         **run.summary,
@@ -139,14 +147,17 @@ def run_figures(store: ArtifactStore, run: DrafterRun) -> dict[str, Any]:
     }
 
 
-def calibrated_figures(history: list[EstimatePoint], family: str, summary: dict[str, Any]) -> dict[str, Any]:
-    """`estimate_k3`, `calibrated_estimate_k3` (absent without a past evaluation) and `calibration_evals_k3`, per k."""
+def calibrated_figures(
+    history: list[EstimatePoint], family: str, summary: dict[str, Any], against: str = ""
+) -> dict[str, Any]:
+    """`estimate_k3`, `calibrated_estimate_k3` (absent without a past evaluation served `against` the same) and
+    `calibration_evals_k3`, per k."""
     out: dict[str, Any] = {}
     for k in SPECULATIVE_TOKENS:
         est = exported_estimate(summary, k)
         if est is None:
             continue
-        c = correction(history, family, k)
+        c = correction(history, family, k, against=against)
         out[f"estimate_k{k}"] = round(est, 4)
         out[f"calibration_evals_k{k}"] = 0 if c is None else c.points
         if c is not None:
