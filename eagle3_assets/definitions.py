@@ -25,7 +25,8 @@ from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
 from eagle3_assets.defs.ops.sensors import dead_runs_sensor, run_failure_alert_sensor, shard_stall_sensor
-from eagle3_assets.defs.provenance import StartDoor, root_condition, with_provenance
+from eagle3_assets.defs.due import root_condition
+from eagle3_assets.defs.provenance import StartDoor, with_provenance
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.assets import hidden_states_asset
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
@@ -64,7 +65,7 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
     assets = [a.map_asset_specs(lambda spec: with_provenance(spec, project)) for a in (*roots, hidden_states, *followers)]
     checks = [data_checks.reasoning_coverage_check, data_checks.vocab_map_invariant, shard_checks.shard_integrity]
     jobs = [shard_checks.verify_shards]
-    # A plan over approval.limit_s waits under the daemon (`defs/provenance.py: stale`): one click approves it.
+    # A plan over approval.limit_s waits under the daemon (`defs/due.py: stale`): one click approves it.
     approving = [approve_plan_job(lambda: defs.resolve_asset_graph())] if settings.approval.limit_s is not None else []
     # What a per-step Kubernetes config may name: every op these definitions run.
     ops = [a.op.name for a in assets] + [c.node_def.name for c in checks] + [shard_checks.verify_all_shards.name]

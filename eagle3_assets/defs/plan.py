@@ -11,7 +11,7 @@ made again cuts with other rows (`hidden_states[…]`, counted at most every sha
 
 Nothing is written: no run, no record, no lease; only materializations, run records and store files are read.
 
-Under the daemon the same plan gates what is due (`PlanApproved`, in `defs/provenance.py: stale`): over
+Under the daemon the same plan gates what is due (`PlanApproved`, in `defs/due.py: stale`): over
 `approval.limit_s` it waits until a person approves it (`approve`: `--approve`, the `approve_plan` job), which
 writes one record, the approval, and runs nothing.
 """

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dagster import AutomationCondition
 
-from eagle3_assets.defs.provenance import StartDoor, follows, inputs_current
+from eagle3_assets.defs.due import follows, inputs_current
+from eagle3_assets.defs.provenance import StartDoor
 from eagle3_assets.project import Project
 
 

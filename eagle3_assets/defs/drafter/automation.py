@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dagster import AssetSelection, AutomationCondition
 
-from eagle3_assets.defs.provenance import StartDoor, follows, inputs_current, stale, with_redo
+from eagle3_assets.defs.due import follows, inputs_current, stale, with_redo
+from eagle3_assets.defs.provenance import StartDoor
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.project import Project
 
