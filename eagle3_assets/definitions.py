@@ -20,12 +20,12 @@ from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.drafter import assets as drafter
 from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
+from eagle3_assets.defs.due import root_condition
 from eagle3_assets.defs.ops.approval import approve_plan_job
 from eagle3_assets.defs.ops.executor import with_run_start_sweep
 from eagle3_assets.defs.ops.k8s import k8s_executor_from_environment
 from eagle3_assets.defs.ops.runs import pool_limit
 from eagle3_assets.defs.ops.sensors import dead_runs_sensor, run_failure_alert_sensor, shard_stall_sensor
-from eagle3_assets.defs.due import root_condition
 from eagle3_assets.defs.provenance import StartDoor, with_provenance
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.assets import hidden_states_asset

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dagster import AutomationCondition, AutomationContext, AutomationResult
 
-from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.due import inputs_current, stale, with_redo
+from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import StartDoor
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.project import Project
