@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dagster import (
     AssetExecutionContext,
     AssetKey,
+    AssetSelection,
     AutomationResult,
     DagsterInstance,
     Definitions,
@@ -228,3 +229,29 @@ def test_the_approve_command_records_the_plan_of_what_is_due_says_its_cost_and_s
     with DagsterInstance.from_config(str(home)) as instance:
         assert instance.get_runs() == []
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == [APPROVAL_FILE]
+
+
+def test_in_rolling_mode_the_plan_names_the_shards_a_retrained_drafter_extracts_again(tmp_path):
+    """Rolling: a drafter that trains from scratch clears its window records and extracts again the shards its earlier
+    pass released (`shard_window.start_over`); the plan says so before it runs."""
+    from eagle3_assets.defs.plan import next_start
+    from eagle3_assets.settings import TrainingSettings
+    from eagle3_assets.shard_window import record_consumed, release
+
+    with instance_for_test() as instance:
+        daemon = Daemon(instance, ArtifactStore(tmp_path / "store"))
+        rolling = TrainingSettings(mode="rolling")
+        daemon.settings(training=rolling)
+        daemon.run("tokenized", "vocab_map", "drafter")
+        for key in ("rows_20-40", "rows_0-20"):
+            release(daemon.store, record_consumed(daemon.store, key, step=3, checkpoint="drafter/checkpoints/step_3"))
+        record_consumed(daemon.store, "rows_40-60", step=5, checkpoint="drafter/checkpoints/step_5")  # not released
+
+        project = daemon.settings(training=rolling.model_copy(update={"lr": 1e-3}))
+        plan = next_start(instance, project, daemon.defs, StartDoor(), AssetSelection.all())
+        assert [s.label for s in plan.steps] == ["drafter"]
+        assert plan.notes[1:] == [
+            "rolling: 2 shard(s) an earlier pass of drafter released (rows_0-20, rows_20-40) are extracted again, as "
+            "the window admits them, if drafter trains from scratch; a continuation of the release trains the new "
+            "shards only. Its log says which as it starts"
+        ]

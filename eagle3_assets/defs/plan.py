@@ -48,9 +48,11 @@ from eagle3_assets.prompts import PROMPTS_FILE, Prompt, decode_prompts, parse_pr
 from eagle3_assets.provenance import ProvenanceError, data_version, digest
 from eagle3_assets.responses import RowStamps, made_by, rows_to_generate
 from eagle3_assets.settings import DRAFTER_FAMILIES
+from eagle3_assets.shard_window import read_consumed
 from eagle3_assets.shards import Shard
 
 DRAFTERS = frozenset(drafter_artifact(f) for f in DRAFTER_FAMILIES)
+FAMILY_OF = {drafter_artifact(f): f for f in DRAFTER_FAMILIES}
 PAST_RUNS = 200  # materializations a rate is measured over, at most
 
 
@@ -124,12 +126,31 @@ class Planner:
                 "rolling: a drafter starts once one shard is checked and trains while the others are extracted; "
                 "the order above is offline's"
             )
+            notes += self._released_notes([s.label for s in steps if s.label in DRAFTERS])
         if any(s.reason.startswith(("input ", "inputs ")) for s in steps):
             notes.append(
                 "a step run because an input is made again is spared when that input comes out with the same content "
                 "(a content-equal parent stops the cascade, docs/DESIGN.md §7)"
             )
         return Plan(steps, notes)
+
+    def _released_notes(self, drafters: list[str]) -> list[str]:
+        """Rolling: the shards an earlier pass of each due drafter released, which its next pass extracts again
+        unless it continues the release (`shard_window.start_over`; whether it continues is decided as it starts)."""
+        notes = []
+        for name in drafters:
+            released = sorted(
+                (k for k, c in read_consumed(self.project.store, FAMILY_OF[name]).items() if c.released),
+                key=lambda k: Shard.parse(k).start,
+            )
+            if released:
+                shown = ", ".join(released[:5]) + (", …" if len(released) > 5 else "")
+                notes.append(
+                    f"rolling: {len(released)} shard(s) an earlier pass of {name} released ({shown}) are extracted "
+                    f"again, as the window admits them, if {name} trains from scratch; a continuation of the release "
+                    "trains the new shards only. Its log says which as it starts"
+                )
+        return notes
 
     # --- what runs, and why ---------------------------------------------------------------------
 
