@@ -251,7 +251,9 @@ def test_in_rolling_mode_the_plan_names_the_shards_a_retrained_drafter_extracts_
         plan = next_start(instance, project, daemon.defs, StartDoor(), AssetSelection.all())
         assert [s.label for s in plan.steps] == ["drafter"]
         assert plan.notes[1:] == [
-            "rolling: 2 shard(s) an earlier pass of drafter released (rows_0-20, rows_20-40) are extracted again, as "
-            "the window admits them, if drafter trains from scratch; a continuation of the release trains the new "
-            "shards only. Its log says which as it starts"
+            (
+                "rolling: 2 shard(s) an earlier pass of drafter released (rows_0-20, rows_20-40) are extracted again, "
+                "as the window admits them, if drafter trains from scratch; a continuation of the release trains the "
+                "new shards only. Its log says which as it starts"
+            )
         ]
