@@ -338,3 +338,20 @@ def hybrid_demo_tokenizer(target: TargetModel):
         "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think></think>' }}{% endif %}{% endif %}",
     )
     return tok
+
+
+def release_the_export(store: ArtifactStore) -> tuple[str, dict[str, torch.Tensor]]:
+    """Release the drafter's export as the first release, through the real gate (`promote`), as a `drafter_eval` that
+    served it greedily would: (its sha256, the released weights in float32)."""
+    from safetensors.torch import load
+
+    from eagle3_assets.drafter.eval_report import ServedReport
+    from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
+
+    sha = export_digest(store)
+    report = ServedReport.from_json(
+        {"mean_acceptance_length_k3": 1.5, "mean_acceptance_length_k7": 1.6, "outputs_match_greedy": True,
+         "export_sha256": sha}
+    )  # fmt: skip
+    promote(store, release_decision(report, None, 1.0), report, "none")
+    return sha, {k: v.float() for k, v in load(store.read_bytes(f"{RELEASE_DIR}/model.safetensors")).items()}

@@ -7,14 +7,12 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load as st_load
 
 from eagle3_assets.drafter.checkpoint import read_checkpoint_state
 from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_plan, read_release
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
-from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
+from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.run import train_and_export
 from eagle3_assets.drafter.sources import continuation_steps, continued_data
 from eagle3_assets.drafter.train import train_drafter
@@ -22,7 +20,7 @@ from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
 from .conftest import tiny_settings
-from .helpers import greedy_vocab_map, random_rows, target_of, tiny_llama, write_shard
+from .helpers import greedy_vocab_map, random_rows, release_the_export, target_of, tiny_llama, write_shard
 
 SETTINGS = {"family": {}, "training": {"loss": "soft_ce", "ttt_steps": 3}, "aux_layer_ids": [1, 2, 3]}
 RELEASED_ON = {
@@ -90,14 +88,8 @@ def test_appended_shards_continue_the_released_drafter_on_new_and_replayed_rows_
     assert (on["family"], list(on["shards"]), on["continued_from"]) == ("eagle3", keys[:1], None)
 
     # The gate releases it (first release), copying every file of the export, trained_on.json too.
-    sha = export_digest(store)
-    report = ServedReport.from_json(
-        {"mean_acceptance_length_k3": 1.5, "mean_acceptance_length_k7": 1.6, "outputs_match_greedy": True,
-         "export_sha256": sha}
-    )  # fmt: skip
-    promote(store, release_decision(report, None, 1.0), report, "none")
+    sha, released = release_the_export(store)
     assert read_release(store)[1] == on
-    released = {k: v.float() for k, v in st_load(store.read_bytes(f"{RELEASE_DIR}/model.safetensors")).items()}
 
     # Before its first step, the continuation's model is the release's weights.
     plan = continuation_plan(*read_release(store), {**on, "shards": {k: "none" for k in keys}})

@@ -44,7 +44,7 @@ from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet
 
-from .helpers import AUX_IDS, greedy_vocab_map, random_rows, target_of, tiny_llama
+from .helpers import AUX_IDS, greedy_vocab_map, random_rows, release_the_export, target_of, tiny_llama
 
 pytestmark = pytest.mark.slow  # trains drafters
 
@@ -531,12 +531,9 @@ def train_beside_extraction(
 def test_a_rolling_append_continues_the_release_on_the_new_shards_once_and_a_model_change_retrains_by_itself(
     world, extracted, tmp_path
 ):
-    from safetensors.torch import load as st_load
 
     from eagle3_assets.drafter.continuation import continuation_plan, read_release
-    from eagle3_assets.drafter.eval_report import ServedReport
     from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
-    from eagle3_assets.drafter.release import RELEASE_DIR, export_digest, promote, release_decision
     from eagle3_assets.drafter.rolling import REPLAY_DIR
     from eagle3_assets.drafter.run import train_and_export
 
@@ -568,13 +565,7 @@ def test_a_rolling_append_continues_the_release_on_the_new_shards_once_and_a_mod
     assert sorted(os.listdir(tmp_path / "store" / REPLAY_DIR)) == sorted(f"{r}.safetensors" for r in kept)
     assert hidden_state_bytes(store, old) == 0  # every old shard released
 
-    sha = export_digest(store)
-    report = ServedReport.from_json(
-        {"mean_acceptance_length_k3": 1.5, "mean_acceptance_length_k7": 1.6, "outputs_match_greedy": True,
-         "export_sha256": sha}
-    )  # fmt: skip
-    promote(store, release_decision(report, None, 1.0), report, "none")
-    released = {k: v.float() for k, v in st_load(store.read_bytes(f"{RELEASE_DIR}/model.safetensors")).items()}
+    sha, released = release_the_export(store)
 
     # Before its first step, the continuation's model is the release's weights (its first new shard put in, as the
     # window admits it).
