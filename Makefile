@@ -27,8 +27,13 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 ui-deps:
 	bash scripts/install_ui_deps.sh
 
+# `make demo TARGET=deepseek_v3` runs the same graph on a miniature of another architecture (Kimi-K2's shape;
+# eagle3_assets/architectures/ lists them), in a store and Dagster home of its own.
+TARGET ?= llama
+DEMO_ENV := $(if $(filter-out llama,$(TARGET)),EAGLE3_DEMO_ARCHITECTURE=$(TARGET) EAGLE3_ROOT=$(CURDIR)/.eagle3-$(TARGET) DAGSTER_HOME=$(CURDIR)/.dagster-$(TARGET))
 demo: install
-	$(BIN)/python -m eagle3_assets.start
+	$(if $(DEMO_ENV),mkdir -p $(CURDIR)/.dagster-$(TARGET) && cp dagster.yaml $(CURDIR)/.dagster-$(TARGET)/dagster.yaml)
+	$(DEMO_ENV) $(BIN)/python -m eagle3_assets.start
 
 # The whole graph on CONFIG (the demo without it), one run per shard; run it again to resume.
 # `make run ARGS=--list-shards` lists the shard keys and where each stands; `make run ARGS=--plan` says what the
@@ -62,4 +67,4 @@ bench-demo: install
 	EAGLE3_DEMO_SIZE=full $(BIN)/python -m pytest -q --durations=10 eagle3_assets_tests/test_demo_quality.py
 
 clean:
-	rm -rf $(VENV) .dagster .eagle3
+	rm -rf $(VENV) .dagster .eagle3 .dagster-* .eagle3-*

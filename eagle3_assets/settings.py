@@ -16,11 +16,14 @@ import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3_assets.architectures import ARCHITECTURES
 from eagle3_assets.errors import Refusal
 from eagle3_assets.storage_dtypes import StorageDtype
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 ROOT_ENV = "EAGLE3_ROOT"
+# The demo's target architecture when no settings file is named (`make demo TARGET=deepseek_v3`).
+DEMO_ARCHITECTURE_ENV = "EAGLE3_DEMO_ARCHITECTURE"
 DEFAULT_ROOT = ".eagle3"
 
 
@@ -453,6 +456,18 @@ class DemoSettings(_Section):
     vocab_size: int = Field(1024, ge=64)
     train_steps: int = Field(1500, ge=0, description="0 = an untrained model (tests)")
     seed: int = 0
+    architecture: str = Field(
+        "llama",
+        description="the demo target's architecture: llama, or a miniature of a real target's (deepseek_v3 is "
+        "Kimi-K2's; eagle3_assets/architectures/)",
+    )
+
+    @field_validator("architecture")
+    @classmethod
+    def _known_architecture(cls, name: str) -> str:
+        if name not in ARCHITECTURES:
+            raise ValueError(f"{name!r} is not an architecture the demo builds; name one of {', '.join(ARCHITECTURES)}")
+        return name
 
 
 class Settings(_Section):
@@ -590,9 +605,9 @@ class Settings(_Section):
             )
 
 
-def demo_settings() -> Settings:
-    """The embedded demo: a 4-layer target, 4,000 prompts in 400-row shards."""
-    demo = DemoSettings()
+def demo_settings(architecture: str = "llama") -> Settings:
+    """The embedded demo: a 4-layer target (a miniature of `architecture`), 4,000 prompts in 400-row shards."""
+    demo = DemoSettings(architecture=architecture)
     return Settings(
         shard_size=400,
         aux_layer_ids=[1, 2, 3],
@@ -636,7 +651,11 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     path = env.get(CONFIG_ENV)
     if not path:
-        return demo_settings()
+        architecture = env.get(DEMO_ARCHITECTURE_ENV) or "llama"
+        try:
+            return demo_settings(architecture)
+        except ValidationError as e:
+            raise SettingsError(_format_validation_error(f"{DEMO_ARCHITECTURE_ENV}={architecture}", e)) from None
     try:
         with fsspec.open(path, "r", encoding="utf-8-sig") as f:
             data = yaml.safe_load(f)

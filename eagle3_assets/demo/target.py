@@ -1,6 +1,7 @@
-"""Build the embedded demo target: a small Llama trained in-process on the synthetic world.
+"""Build the embedded demo target: a small model trained in-process on the synthetic world.
 
-`build_demo_target(out_dir, demo)` trains the tokenizer, then a `LlamaForCausalLM`
+`build_demo_target(out_dir, demo)` trains the tokenizer, then a miniature of `demo.architecture` (a Llama by
+default; `eagle3_assets/architectures/` declares the others)
 on conversations about EVERY entity (train and heldout: the target must know all the
 facts; only the drafter's data is split) plus template tasks, with the loss on the
 assistant tokens only. It then measures greedy accuracy on one fact question per
@@ -33,7 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+import transformers
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from eagle3_assets.architectures import ARCHITECTURES, Architecture, MiniatureShape
 
 from eagle3_assets.demo.tokenizer import (
     ASSISTANT,
@@ -122,24 +126,25 @@ def check_demo_settings(demo: DemoSettings) -> None:
         raise ValueError(f"demo.train_steps: must be >= 0, got {demo.train_steps}")
 
 
-def llama_config(demo: DemoSettings, vocab_size: int, recipe: TrainingRecipe = RECIPE) -> LlamaConfig:
-    heads = demo.hidden_size // demo.head_dim
-    return LlamaConfig(
-        vocab_size=vocab_size,
+def miniature_shape(demo: DemoSettings, vocab_size: int, recipe: TrainingRecipe = RECIPE) -> MiniatureShape:
+    return MiniatureShape(
         hidden_size=demo.hidden_size,
-        intermediate_size=recipe.mlp_ratio * demo.hidden_size,
-        num_hidden_layers=demo.num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_layers=demo.num_layers,
         head_dim=demo.head_dim,
-        max_position_embeddings=recipe.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        vocab_size=vocab_size,
         bos_token_id=TOKEN_IDS[BOS],
         eos_token_id=TOKEN_IDS[END],
         pad_token_id=TOKEN_IDS[PAD],
-        dtype="float32",
+        max_position_embeddings=recipe.max_position_embeddings,
+        mlp_ratio=recipe.mlp_ratio,
     )
+
+
+def new_model(demo: DemoSettings, vocab_size: int, recipe: TrainingRecipe = RECIPE) -> PreTrainedModel:
+    """The untrained miniature of `demo.architecture`, in float32 (trained so; saved in its served dtype)."""
+    arch = ARCHITECTURES[demo.architecture]
+    config = AutoConfig.for_model(arch.model_type, **arch.miniature(miniature_shape(demo, vocab_size, recipe)))
+    return getattr(transformers, arch.hf_architecture)(config)
 
 
 def training_stream(world: World, rng: random.Random, recipe: TrainingRecipe = RECIPE) -> Iterator[Conversation]:
@@ -220,7 +225,7 @@ def lr_at(step: int, total: int, recipe: TrainingRecipe = RECIPE) -> float:
 
 
 def train(
-    model: LlamaForCausalLM,
+    model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
     world: World,
     steps: int,
@@ -257,7 +262,7 @@ def train(
 
 @torch.no_grad()
 def greedy_answers(
-    model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, prompts: Sequence[str], max_new_tokens: int = 32, batch: int = 64
+    model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: Sequence[str], max_new_tokens: int = 32, batch: int = 64
 ) -> list[str]:
     """The assistant text (`<think>…</think>answer`, without <|end|>) the model generates for each prompt."""
     end_id, pad_id = TOKEN_IDS[END], TOKEN_IDS[PAD]
@@ -291,7 +296,7 @@ class FactScore:
     values: float  # share of attribute values recalled right
 
 
-def score_entities(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, entities: Sequence[Entity]) -> FactScore:
+def score_entities(model: PreTrainedModel, tok: PreTrainedTokenizerBase, entities: Sequence[Entity]) -> FactScore:
     """One single-fact question per entity (attribute chosen by position), answered greedily."""
     if not entities:
         raise ValueError("score_entities: no entities to ask about")
@@ -307,15 +312,20 @@ def score_entities(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, entiti
     return FactScore(exact=exact, values=right / total)
 
 
-def score_templates(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, n: int, seed: int) -> float:
+def score_templates(model: PreTrainedModel, tok: PreTrainedTokenizerBase, n: int, seed: int) -> float:
     rng = random.Random(f"demo-template-eval-{seed}")
     convs = [random_template_conversation(rng) for _ in range(n)]
     answers = greedy_answers(model, tok, [c.prompt for c in convs])
     return sum(a == c.assistant_text for a, c in zip(answers, convs)) / max(1, n)
 
 
-def _save(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, info: DemoTargetInfo, dest: Path) -> None:
+def _save(
+    model: PreTrainedModel, tok: PreTrainedTokenizerBase, info: DemoTargetInfo, dest: Path, arch: Architecture
+) -> None:
     model.save_pretrained(dest, safe_serialization=True)
+    if arch.config_extras:
+        config = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps(config | dict(arch.config_extras), indent=2, sort_keys=True) + "\n")
     tok.save_pretrained(dest)
     GenerationConfig(
         do_sample=False,
@@ -339,10 +349,13 @@ def build_demo_target(out_dir: Path, demo: DemoSettings, *, log: Callable[[str],
         tok = train_tokenizer(tokenizer_corpus(world, demo.seed), demo.vocab_size)
         log(f"demo target: tokenizer trained, {len(tok)} ids; {len(world.entities)} entities")
         torch.manual_seed(demo.seed)
-        model = LlamaForCausalLM(llama_config(demo, len(tok)))
+        arch = ARCHITECTURES[demo.architecture]
+        model = new_model(demo, len(tok))
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"demo target: {demo.num_layers} layers, hidden {demo.hidden_size}, {n_params / 1e6:.2f}M parameters")
+        log(f"demo target: {arch.name}, {demo.num_layers} layers, hidden {demo.hidden_size}, {n_params / 1e6:.2f}M parameters")
         train_loss = train(model, tok, world, demo.train_steps, demo.seed, log)
+        # Scored as it is served: an MoE miniature in bf16, vLLM's CPU MoE kernel taking no float32.
+        model.to(getattr(torch, arch.served_dtype))
         train_score = score_entities(model, tok, world.train)
         heldout_score = score_entities(model, tok, world.heldout)
         n_train, n_heldout = len(world.train), len(world.heldout)
@@ -365,7 +378,7 @@ def build_demo_target(out_dir: Path, demo: DemoSettings, *, log: Callable[[str],
             f"values {info.fact_value_accuracy:.3f}, templates {info.template_accuracy:.3f}; saving to {out_dir}"
         )
         tmp.mkdir(parents=True)
-        _save(model, tok, info, tmp)
+        _save(model, tok, info, tmp, arch)
         _replace_dir(tmp, out_dir)
         return info
     finally:

@@ -405,7 +405,12 @@ def evaluate_drafter(
             + [{"draft_dir": export_dir, "method": family, "num_speculative_tokens": k, "zero_fc": zeroed}
                for k, zeroed in variants]
             + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
-            common={"max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": groups},
+            # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel
+            # takes no float32, and a drafter is judged beside the target as it is served.
+            common={
+                "max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": groups,
+                "dtype": settings.vllm.dtype,
+            },  # fmt: skip
             timeout_s=timeout_s,
             on_result=on_result,
             cpu_cores=settings.vllm.cpu_cores,

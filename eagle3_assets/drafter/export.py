@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.drafter.checkpoint import non_finite
 from eagle3_assets.drafter.errors import TrainingError
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.model import MLA_FIELDS, DrafterConfig, Eagle3Drafter, mla_fields
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
@@ -43,16 +44,12 @@ def expected_export_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     `d2t` is left out when the draft vocab is the whole target vocab: vLLM then has no
     draft-to-target table to load it into and would reject the name.
     """
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    h, i = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (h, cfg.num_aux_layers * h),
         "midlayer.input_layernorm.weight": (h,),
         "midlayer.hidden_norm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
+        **{f"midlayer.self_attn.{n}.weight": s for n, s in attention_tensors(cfg).items()},
         "midlayer.post_attention_layernorm.weight": (h,),
         "midlayer.mlp.gate_proj.weight": (i, h),
         "midlayer.mlp.up_proj.weight": (i, h),
@@ -62,11 +59,33 @@ def expected_export_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
     }
-    if cfg.norm_before_fc:
+    if cfg.norm_before_fc and cfg.mla:
+        shapes |= {f"fc_norm.{a}.weight": (h,) for a in range(cfg.num_aux_layers)}  # one per aux layer
+    elif cfg.norm_before_fc:
         shapes["input_norm.weight"] = (cfg.num_aux_layers * h,)  # vLLM's name for the norm over the fused features
     if cfg.draft_vocab_size == cfg.vocab_size:
         del shapes["d2t"]
     return shapes
+
+
+def attention_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The attention's weights (under `midlayer.self_attn.`, without `.weight`) and shapes: q/k/v/o, or MLA's."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    if not cfg.mla:
+        q, kv = nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return {"q_proj": (q, 2 * h), "k_proj": (kv, 2 * h), "v_proj": (kv, 2 * h), "o_proj": (h, q)}
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    query = (
+        {"q_a_proj": (cfg.q_lora_rank, 2 * h), "q_a_layernorm": (cfg.q_lora_rank,), "q_b_proj": (nh * qk, cfg.q_lora_rank)}
+        if cfg.q_lora_rank
+        else {"q_proj": (nh * qk, 2 * h)}
+    )
+    return query | {
+        "kv_a_proj_with_mqa": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2 * h),
+        "kv_a_layernorm": (cfg.kv_lora_rank,),
+        "kv_b_proj": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "o_proj": (h, nh * cfg.v_head_dim),
+    }
 
 
 def export_problems(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> list[str]:
@@ -129,11 +148,11 @@ def checked_aux_ids(aux_layer_ids: list[int], count: int) -> list[int]:
 def export_config(
     cfg: DrafterConfig, *, aux_layer_ids: list[int], dtype: str, max_position_embeddings: int | None = None
 ) -> dict[str, Any]:
-    """config.json: a one-layer Llama marked as an EAGLE-3 drafter, with the aux layers for both engines."""
+    """config.json: a one-layer Llama (or, with MLA, DeepSeek-V2) marked as an EAGLE-3 drafter, with the aux layers
+    for both engines."""
     ids = checked_aux_ids(aux_layer_ids, cfg.num_aux_layers)
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
+        **(mla_export_fields(cfg) if cfg.mla else {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}),
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -161,6 +180,18 @@ def export_config(
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]},
         "torch_dtype": dtype,
         "dtype": dtype,
+    }
+
+
+def mla_export_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """What vLLM's `Eagle3DeepseekV2ForCausalLM` reads besides a Llama drafter's fields. `deepseek_v2`, not v3:
+    vLLM turns a `deepseek_v3` draft into DeepSeek's own MTP module."""
+    return {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        **{name: getattr(cfg, name) or None for name in MLA_FIELDS},  # q_lora_rank None: no query latent
+        "fc_norm": cfg.norm_before_fc,
+        "target_hidden_size": cfg.hidden_size,
     }
 
 
@@ -240,8 +271,10 @@ def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eag
     # config.json is an HF Llama config, the shape the drafter takes from its target.
     cfg = DrafterConfig.from_target(
         TargetModel.from_config(config, path=export_dir), draft_vocab_size=config["draft_vocab_size"],
-        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
+        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS}, **mla_fields(config),
     )  # fmt: skip
+    if cfg.mla:  # the MLA form says norm_before_fc as `fc_norm`
+        cfg = replace(cfg, norm_before_fc=bool(config.get("fc_norm")))
     tensors = load_file(str(export_dir / "model.safetensors"))
     problems = export_problems(tensors, cfg)
     if problems:

@@ -26,6 +26,9 @@ Training need not compute a step where nothing scores it: `unroll` takes, for ea
 k >= 1, the indices to compute (`StepIndices`, chosen by `ttt.py`), and at those indices
 gives what the full unroll gives.
 
+Beside an MLA target (DeepSeek-V3, Kimi-K2) the attention is MLA like the target's (`MLAttention`, vLLM's
+`Eagle3DeepseekV2ForCausalLM`), and `norm_before_fc` norms each aux layer's features apart (`fc_norm`).
+
 Three placements of a norm are options (the EAGLE-3.1 / speculators variants; each
 written into the export for vLLM, `export.py`):
   norm_before_fc        RMSNorm over the 3H fused features before `fc` (`input_norm`)
@@ -35,6 +38,8 @@ written into the export for vLLM, `export.py`):
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Self
 
@@ -100,6 +105,11 @@ class DrafterShape:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def rope_dim(self) -> int:
+        """The width the rotary embedding turns: every head dim, unless the attention says otherwise."""
+        return self.head_dim
+
 
 @dataclass(frozen=True)
 class DrafterConfig(DrafterShape):
@@ -108,6 +118,20 @@ class DrafterConfig(DrafterShape):
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    # MLA attention, as the target's (DeepSeek-V3, Kimi-K2; `MLAttention`); kv_lora_rank 0 = grouped-query attention.
+    q_lora_rank: int = 0  # 0 = queries straight from the input, no latent
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
 
 class RMSNorm(nn.Module):
@@ -143,11 +167,11 @@ def rotary_frequencies(cfg: DrafterShape) -> tuple[torch.Tensor, float]:
     """
     theta = float(cfg.rope["rope_theta"])
     if cfg.rope.get("rope_type", "default") == "default":
-        return 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)), 1.0
+        return 1.0 / (theta ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float32) / cfg.rope_dim)), 1.0
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.rope_dim,
         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope),
     )  # fmt: skip
     inv_freq, scaling = _rope_init_functions()[cfg.rope["rope_type"]](config, "cpu")
@@ -290,6 +314,84 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hd))  # [B, T, H]
 
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_fields(config: Mapping[str, Any]) -> dict[str, int]:
+    """The MLA shape of an HF config (a DeepSeek-V3 target's, or an MLA drafter export's); {} for other attention."""
+    if not config.get("kv_lora_rank"):
+        return {}
+    return {name: int(config.get(name) or 0) for name in MLA_FIELDS}
+
+
+def yarn_softmax_scale(rope: Mapping[str, Any]) -> float:
+    """The factor DeepSeek's MLA multiplies its softmax scale by under yarn rotary (mscale², 1 otherwise)."""
+    factor, mscale_all_dim = float(rope.get("factor") or 1.0), float(rope.get("mscale_all_dim") or 0.0)
+    if rope.get("rope_type") != "yarn" or factor <= 1.0 or not mscale_all_dim:
+        return 1.0
+    mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return mscale * mscale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... | x1, x3, ...], the half-split layout."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek's multi-head latent attention over the 2H-wide [embedding | hidden] input; `Attention`'s forward.
+
+    What vLLM serves beside an MLA target (`deepseek_eagle3.py`). Its CPU build shows why it must be the target's
+    kind: without AMX, its MLA kernel takes KV blocks of 16 tokens and its grouped-query kernel multiples of 32,
+    so a grouped-query drafter shares no block size with the target ("No common block size", docs/DESIGN.md §6).
+    Trained in the plain, not weight-absorbed, form (the same function):
+      q      = q_b_proj(q_a_layernorm(q_a_proj(x)))             [B, T, nh, nope + rope]
+      latent, k_rope = kv_a_proj_with_mqa(x)                     [B, T, kv_lora], [B, T, rope]
+      k_nope, v = kv_b_proj(kv_a_layernorm(latent)) per head     [B, T, nh, nope], [B, T, nh, vd]
+      k      = [k_nope | k_rope, one head shared by all]         [B, T, nh, nope + rope]
+    Rotary turns the `rope` part only, interleaved (vLLM's `is_neox_style=False` for DeepSeek); it is
+    de-interleaved here and turned half-wise, a permutation of q's and k's dims alike that leaves q·k unchanged.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(2 * h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * self.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(2 * h, nh * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=False)
+        self.scale = self.qk_head_dim**-0.5 * yarn_softmax_scale(cfg.rope)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, segments: torch.Tensor | None,
+        query_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        cfg = self.cfg
+        B, T, _ = x.shape
+        nh, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.view(B, T, nh, self.qk_head_dim).transpose(1, 2)  # [B, nh, T, nope + rope]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, nh, nope + vd).transpose(1, 2)
+        k_nope, v = kv.split([nope, vd], dim=-1)  # [B, nh, T, nope], [B, nh, T, vd]
+        q_rope = apply_rotary(deinterleave(q[..., nope:]), cos, sin)  # [B, nh, T, rope]
+        k_rope = apply_rotary(deinterleave(k_rope)[:, None], cos, sin)  # [B, 1, T, rope], one head shared by all
+        q = torch.cat([q[..., :nope], q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, nh, -1, -1)], dim=-1)  # [B, nh, T, nope + rope]
+        keys, values = cache.append(k, v)  # [B, nh, steps*T, nope + rope], [B, nh, steps*T, vd]
+        mask = ttt_attention_mask(cache.keys[0].shape[2], len(cache), x.device, segments, query_index)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)  # [B, nh, T, vd]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * vd))  # [B, T, H]
+
+
 class MLP(nn.Module):
     """SwiGLU."""
 
@@ -304,14 +406,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The `midlayer`: attention over cat(input_layernorm(embed), hidden_norm(h)); the residual is
-    the raw h, or hidden_norm(h) with `norm_before_residual` (the exported config says which)."""
+    """The `midlayer`: attention (grouped-query, or MLA like the target's) over cat(input_layernorm(embed),
+    hidden_norm(h)); the residual is the raw h, or hidden_norm(h) with `norm_before_residual` (the exported config
+    says which)."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.mla else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
@@ -378,8 +481,14 @@ class Eagle3Drafter(DrafterModule):
     ):
         super().__init__(cfg, d2t, t2d, embed_tokens)
         h = cfg.hidden_size
-        # vLLM names the norm over the fused features `input_norm`; it exists only with norm_before_fc.
-        self.input_norm = RMSNorm(cfg.num_aux_layers * h, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        # The norm over the fused features exists only with norm_before_fc. vLLM's Llama form norms their
+        # concatenation (`input_norm`); its DeepSeek (MLA) form each aux layer's H apart (`fc_norm.{i}`).
+        self.input_norm = RMSNorm(cfg.num_aux_layers * h, cfg.rms_norm_eps) if cfg.norm_before_fc and not cfg.mla else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers))
+            if cfg.norm_before_fc and cfg.mla
+            else None
+        )
         self.fc = nn.Linear(cfg.num_aux_layers * h, h, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -390,6 +499,8 @@ class Eagle3Drafter(DrafterModule):
         aux = aux.to(self.fc.weight.dtype)  # [B, T, A]
         if self.input_norm is not None:
             aux = self.input_norm(aux)
+        elif self.fc_norm is not None:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)  # [B, T, H]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -461,8 +572,10 @@ __all__ = [
     "DrafterConfig",
     "Eagle3Drafter",
     "KVCache",
+    "MLAttention",
     "StepIndices",
     "count_parameters",
+    "mla_fields",
     "rms_norm",
     "rotary_cos_sin",
     "rotary_frequencies",

@@ -193,7 +193,7 @@ def generate(
     prompt_lookup_min: int | None = None,
     prompt_lookup_max: int | None = None,
     groups: Sequence[str] | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     max_model_len: int | None = None,
     ignore_eos: bool = True,
     enforce_eager: bool = True,

@@ -1,0 +1,44 @@
+"""What a target architecture is to this project, declared once per architecture (as vLLM registers a model).
+
+An `Architecture` names the Hugging Face model class and `model_type` it covers, whether its layers route
+tokens through experts, the dtype its miniature is saved and served in, and the `config.json` fields of that
+miniature: the small, locally trained target the tests and `make demo` run the whole graph on. Torch-free:
+the settings read it to refuse a target before anything loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MiniatureShape:
+    """The size a miniature is built at (the demo settings) and the ids its tokenizer fixed."""
+
+    hidden_size: int
+    num_layers: int
+    head_dim: int
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    max_position_embeddings: int
+    mlp_ratio: int  # a dense MLP's width over hidden_size
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # `demo.architecture`, the matrix's leg, the make variable
+    hf_architecture: str  # config.json `architectures[0]` of a checkpoint of this kind
+    model_type: str
+    moe: bool
+    # The dtype the miniature is saved in, so the engine's "auto" runs it so: vLLM's CPU MoE kernel takes bf16
+    # (or int8/fp8/int4) weights and no float32 (docs/DESIGN.md §6).
+    served_dtype: str
+    miniature: Callable[[MiniatureShape], dict[str, Any]]  # config fields transformers' config class takes
+    # Fields vLLM reads that transformers' config class drops on save (DeepSeek-V3's routing): written into
+    # config.json after `save_pretrained`.
+    config_extras: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
