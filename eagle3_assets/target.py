@@ -154,7 +154,9 @@ def text_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     has no `text_config` is refused naming it: its text model's shape is nowhere to be read."""
     text = config.get("text_config")
     if text is not None and not isinstance(text, Mapping):
-        raise TargetModelError(f"{where}: `text_config` must be an object holding the text model's config, got {text!r:.80}")
+        raise TargetModelError(
+            f"{where}: `text_config` must be an object holding the text model's config, got {text!r:.80}"
+        )
     if text:
         return dict(text)
     arch = str((config.get("architectures") or [""])[0])

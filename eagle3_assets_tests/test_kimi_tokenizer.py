@@ -34,7 +34,7 @@ from eagle3_assets.provenance import target_identity
 from eagle3_assets.responses import read_responses
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel, TargetModelError, load_tokenizer
+from eagle3_assets.target import TargetModelError, load_tokenizer
 from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VocabMap, vocab_map_problems
 
@@ -78,15 +78,21 @@ def test_the_tokenizer_has_kimis_ids_special_tokens_and_thinking_template(kimi_t
     assert len(filler) == 2 and all(0x4E00 <= ord(c) <= 0x9FFF for c in filler)
     # The thinking template: a default system turn, and the generation prompt opens the think block.
     user = [{"role": "user", "content": "What does Mirenor eat?"}]
-    assert tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == render_prompt(user[0]["content"])
+    on = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert on == render_prompt(user[0]["content"])
     assert render_prompt("q").startswith(f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>")
     off = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True, thinking=False)
     assert off.endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
     # The reasoning of the last assistant turn is rendered, a history turn's is dropped.
-    turns = [*user, {"role": "assistant", "content": "It eats fish.", "reasoning_content": "fish"},
-             {"role": "user", "content": "And Ilmar?"}, {"role": "assistant", "content": "Rice.", "reasoning_content": "rice"}]  # fmt: skip
+    turns = [
+        *user,
+        {"role": "assistant", "content": "It eats fish.", "reasoning_content": "fish"},
+        {"role": "user", "content": "And Ilmar?"},
+        {"role": "assistant", "content": "Rice.", "reasoning_content": "rice"},
+    ]
     rendered = tok.apply_chat_template(turns, tokenize=False)
-    assert "<think></think>It eats fish.<|im_end|>" in rendered and rendered.endswith("<think>rice</think>Rice.<|im_end|>")
+    assert "<think></think>It eats fish.<|im_end|>" in rendered
+    assert rendered.endswith("<think>rice</think>Rice.<|im_end|>")
     # Reasoning tags survive skip_special_tokens; the turn markers do not.
     ids = tok.encode("<think>r</think>a<|im_end|>", add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == "<think>r</think>a"

@@ -55,7 +55,8 @@ def test_the_wrapper_config_holds_the_text_model_under_text_config(deepseek_v3, 
     assert (config["architectures"], config["model_type"], config["text_config"]) == ([ARCHITECTURE], "kimi_k25", text)
     assert config["text_config"]["model_type"] == "deepseek_v3"
     assert config["vision_config"]["text_hidden_size"] == 64
-    assert write_kimi_k25_config(kimi_k25.parent / "again", text).read_bytes() == (kimi_k25 / "config.json").read_bytes()
+    again = write_kimi_k25_config(kimi_k25.parent / "again", text)
+    assert again.read_bytes() == (kimi_k25 / "config.json").read_bytes()
 
 
 def test_the_shape_is_read_from_text_config(kimi_k25: Path):
@@ -71,7 +72,7 @@ def test_the_shape_is_read_from_text_config(kimi_k25: Path):
 def test_the_drafters_embedding_norm_and_head_are_read_under_the_wrappers_names(deepseek_v3, kimi_k25: Path):
     model = deepseek_v3[1]
     weight_map = json.loads((kimi_k25 / INDEX_FILE).read_text())["weight_map"]
-    names = ["language_model.model.embed_tokens.weight", "language_model.model.norm.weight", "language_model.lm_head.weight"]
+    names = [f"language_model.{n}.weight" for n in ("model.embed_tokens", "model.norm", "lm_head")]
     assert all(n in weight_map for n in names) and not any(n.startswith(("model.", "lm_head.")) for n in weight_map)
     assert len(set(weight_map.values())) > 1  # sharded, as the published checkpoint is
     w = load_target_weights(TargetModel.read(kimi_k25))
@@ -81,7 +82,9 @@ def test_the_drafters_embedding_norm_and_head_are_read_under_the_wrappers_names(
     assert w.rms_norm_eps == 1e-5
     with pytest.raises(ValueError) as e:
         wrapper_weight_name("vision_tower.patch_embed.weight")
-    assert str(e.value) == "vision_tower.patch_embed.weight: not a causal-LM tensor name (expected model.… or lm_head.…)"
+    assert str(e.value) == (
+        "vision_tower.patch_embed.weight: not a causal-LM tensor name (expected model.… or lm_head.…)"
+    )
 
 
 def test_a_wrapper_without_text_config_is_refused_naming_it(kimi_k25: Path, tmp_path: Path):

@@ -23,6 +23,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -112,7 +113,7 @@ def render_prompt(prompt: str) -> str:
 def learnt_tokens(seed: int = 0) -> list[bytes]:
     """The 256 bytes (rank = byte value), then the merges a byte-level BPE learns on the demo world's text, in the
     order it learns them."""
-    from eagle3_assets.demo.target import tokenizer_corpus
+    from eagle3_assets.demo.target import tokenizer_corpus  # here: it imports torch, which a build never uses
     from eagle3_assets.demo.world import demo_world
 
     tok = Tokenizer(models.BPE())
@@ -153,7 +154,7 @@ def rank_file(tokens: list[bytes]) -> bytes:
     return b"".join(base64.b64encode(t) + b" " + str(rank).encode() + b"\n" for rank, t in enumerate(tokens))
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config() -> dict[str, Any]:
     """`tokenizer_config.json`: the remote class by `auto_map`, every special id, the chat template."""
     names = {i: SPECIAL_TOKENS.get(i, f"<|reserved_token_{i}|>") for i in range(NUM_BASE, VOCAB_SIZE)}
     return {

@@ -109,7 +109,8 @@ def wrap_text_checkpoint(src_dir: str | Path, out_dir: str | Path) -> Path:
     index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
     _write_atomic(out / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
     for path in sorted(src.iterdir()):
-        if path.is_file() and path.name != "config.json" and path.name != INDEX_FILE and not path.name.endswith(".safetensors"):
+        weights = path.name in ("config.json", INDEX_FILE) or path.name.endswith(".safetensors")
+        if path.is_file() and not weights:
             shutil.copy2(path, out / path.name)
     write_kimi_k25_config(out, json.loads((src / "config.json").read_text()))
     return out
