@@ -89,9 +89,9 @@ class TargetModel:
         trust_remote_code: bool = False,
     ) -> TargetModel:
         """The shape described by an HF config dict (a VLM's `text_config` is used)."""
-        cfg = dict(config.get("text_config") or config)
         where = f"{path}/config.json"
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads") if not cfg.get(k)]
+        cfg = text_config(config, where)
+        missing = [k for k in SHAPE_FIELDS if not cfg.get(k)]
         if missing:
             raise TargetModelError(f"{where} does not say {', '.join(missing)}")
         try:
@@ -142,6 +142,31 @@ class TargetModel:
         d["path"] = str(self.path)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         return d
+
+
+SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
+
+
+def text_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The text model's config: a wrapper's `text_config` (Kimi-K2.5, vision-language models), else `config`.
+
+    A wrapper (an `…ForConditionalGeneration` or a config with a `vision_config`) that says no shape of its own and
+    has no `text_config` is refused naming it: its text model's shape is nowhere to be read."""
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        raise TargetModelError(
+            f"{where}: `text_config` must be an object holding the text model's config, got {text!r:.80}"
+        )
+    if text:
+        return dict(text)
+    arch = str((config.get("architectures") or [""])[0])
+    wrapper = arch.endswith("ForConditionalGeneration") or "vision_config" in config
+    if wrapper and not any(config.get(k) for k in SHAPE_FIELDS):
+        raise TargetModelError(
+            f"{where}: {arch or config.get('model_type')} wraps a text model but has no `text_config`; the text "
+            f"model's shape ({', '.join(SHAPE_FIELDS)}) is read from there"
+        )
+    return dict(config)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
