@@ -84,7 +84,10 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None):
         self.url = str(root)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        # Object stores' filesystems (s3fs, gcsfs, adlfs) cache directory listings for the life of the process: the
+        # daemon, the start command and a trainer waiting for its next shard would never see what another process
+        # wrote or removed (a new shard, a record, a killed promotion's intent). Every listing here decides something.
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, use_listings_cache=False)
         self.root = self.root.rstrip("/") or "/"
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._guard: Callable[[], None] = lambda: None
