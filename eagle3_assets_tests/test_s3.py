@@ -8,21 +8,23 @@ next shard, while another process writes: what it wrote or removed must be seen 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from eagle3_assets.crash_points import CRASH_ENV
+from eagle3_assets.crash_points import CRASH_ENV, STALL_ENV, STALLED
 from eagle3_assets.sample_file import manifest_path, sample_path, shard_dir
 from eagle3_assets.shard_window import Window, check_verdict, read_consumed, sample_files
 from eagle3_assets.shards import Shard
-from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.storage import TMP_MARK, ArtifactStore
 
 KEYS = ["rows_0-2", "rows_2-4", "rows_4-6"]
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -104,6 +106,14 @@ def other() -> Iterator[OtherProcess]:
         yield worker
     finally:
         worker.close()
+
+
+def wait_until_blocked_on_a_lock(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until /proc/locks lists `proc` as waiting for a lock (its `->` lines are the waiters)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(line.split()[5] == str(proc.pid) for line in Path("/proc/locks").read_text().splitlines() if "->" in line):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{proc.args[-1]} never waited for the lock"
+        time.sleep(0.05)
 
 
 def test_a_long_lived_store_sees_what_another_process_writes_and_removes(bucket: str, other: OtherProcess):
@@ -188,3 +198,47 @@ def test_a_rolling_pass_seen_from_the_long_lived_process_moves_on_as_shards_land
     assert Window.read(store, KEYS, 1).admitted() == [KEYS[2]]
     assert sorted(read_consumed(store)) == KEYS[:2]
 
+
+def test_ranks_copying_a_remote_target_at_once_copy_it_once_without_original_and_sweep_a_dead_copy(
+    bucket: str, tmp_path: Path, tiny_target_dir: Path
+):
+    """Ranks of one node load an s3:// target at once: the copy is made under a lock; a copier killed mid-copy
+    leaves a temporary copy the next one removes; `original/` (not part of the identity) is not copied."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    (model / "original").mkdir()
+    (model / "original" / "consolidated.00.pth").write_bytes(b"\0" * 4096)
+    remote = ArtifactStore(f"s3://{bucket}/targets")
+    remote.put_dir(model, "model")
+    code = f"""
+        from eagle3_assets.project import _local_copy
+        from eagle3_assets.storage import ArtifactStore
+        print(_local_copy(ArtifactStore({remote.url!r}, cache_dir={str(tmp_path / "cache")!r}), "model"))
+    """
+    env = {**os.environ, **{STALL_ENV: "local_copy:model:copied"}}
+    first = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert first.stderr is not None
+        line = first.stderr.readline()
+        while line and STALLED not in line:
+            line = first.stderr.readline()
+        assert STALLED in line, "the first copier never reached the end of its copy"
+        # It holds the lock with its whole copy made: the second waits, then finds that copy dead and removed.
+        second = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        wait_until_blocked_on_a_lock(second)
+        first.kill()
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err
+    finally:
+        first.kill()
+        first.wait()
+    copy = Path(out.strip())
+    held = sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file())
+    assert held == sorted(str(p.relative_to(tiny_target_dir)) for p in tiny_target_dir.rglob("*") if p.is_file())
+    assert not (copy / "original").exists()
+    assert [p.name for p in copy.parent.iterdir() if TMP_MARK in p.name] == []
