@@ -152,6 +152,11 @@ class ArtifactStore:
         entries = ((e["name"].rstrip("/").rsplit("/", 1)[-1], e) for e in self.fs.ls(p, detail=True))
         return {n: int(e["size"]) for n, e in entries if e["type"] == "file" and not _hidden(n)}
 
+    def tree_bytes(self, rel: str) -> int:
+        """The bytes of every file under `rel`; 0 when it is not there."""
+        p = self.path(rel)
+        return int(self.fs.du(p, total=True)) if self.fs.exists(p) else 0
+
     def read_bytes(self, rel: str) -> bytes:
         try:
             return self.fs.cat_file(self.path(rel))
@@ -230,6 +235,20 @@ class ArtifactStore:
         self._guard()
         if self.fs.exists(p):
             self.fs.rm(p, recursive=recursive)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move the file `src` to `dst`, replacing it: on a local disk one rename, which takes no new space.
+        FileNotFoundError when `src` is not there."""
+        self._makedirs_for(dst)
+        self._guard()
+        if not self.fs.exists(self.path(src)):
+            raise FileNotFoundError(self.url_of(src))
+        try:
+            self.fs.mv(self.path(src), self.path(dst))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise write_error(f"cannot move {self.url_of(src)} to {self.url_of(dst)}", e, self.free_bytes()) from e
 
     def remove_temporaries(self, rel_dir: str) -> int:
         """Delete leftovers of writers that died under `rel_dir`; returns how many."""
