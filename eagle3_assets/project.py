@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.provenance import ProvenanceError, target_identity
+from eagle3_assets.provenance import ProvenanceError, target_files, target_identity
 from eagle3_assets.settings import Settings, artifact_root, load_settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -58,7 +58,8 @@ def _local_copy(store: ArtifactStore, rel: str) -> Path:
         return local
     url = store.url_of(rel)
     identity = target_identity(url)
-    copy = store.ensure_local_dir(rel, version=identity)
+    # The files the identity counts, no more: a Llama repository's `original/` would double the bytes copied.
+    copy = store.ensure_local_dir(rel, version=identity, files=target_files(url))
     if target_identity(str(copy)) != identity:
         raise ProvenanceError(f"target model {url}: its files changed while they were copied to {copy}; run it again")
     return copy

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import glob
 import hashlib
 import json
@@ -25,7 +26,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -84,7 +85,10 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None):
         self.url = str(root)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        # Object stores' filesystems (s3fs, gcsfs, adlfs) cache directory listings for the life of the process: the
+        # daemon, the start command and a trainer waiting for its next shard would never see what another process
+        # wrote or removed (a new shard, a record, a killed promotion's intent). Every listing here decides something.
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, use_listings_cache=False)
         self.root = self.root.rstrip("/") or "/"
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._guard: Callable[[], None] = lambda: None
@@ -147,6 +151,11 @@ class ArtifactStore:
             return {}
         entries = ((e["name"].rstrip("/").rsplit("/", 1)[-1], e) for e in self.fs.ls(p, detail=True))
         return {n: int(e["size"]) for n, e in entries if e["type"] == "file" and not _hidden(n)}
+
+    def tree_bytes(self, rel: str) -> int:
+        """The bytes of every file under `rel`; 0 when it is not there."""
+        p = self.path(rel)
+        return int(self.fs.du(p, total=True)) if self.fs.exists(p) else 0
 
     def read_bytes(self, rel: str) -> bytes:
         try:
@@ -226,6 +235,20 @@ class ArtifactStore:
         self._guard()
         if self.fs.exists(p):
             self.fs.rm(p, recursive=recursive)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move the file `src` to `dst`, replacing it: on a local disk one rename, which takes no new space.
+        FileNotFoundError when `src` is not there."""
+        self._makedirs_for(dst)
+        self._guard()
+        if not self.fs.exists(self.path(src)):
+            raise FileNotFoundError(self.url_of(src))
+        try:
+            self.fs.mv(self.path(src), self.path(dst))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise write_error(f"cannot move {self.url_of(src)} to {self.url_of(dst)}", e, self.free_bytes()) from e
 
     def remove_temporaries(self, rel_dir: str) -> int:
         """Delete leftovers of writers that died under `rel_dir`; returns how many."""
@@ -319,12 +342,16 @@ class ArtifactStore:
                 )
             time.sleep(poll_s)
 
-    def ensure_local_dir(self, rel: str, version: str | None = None) -> Path:
+    def ensure_local_dir(self, rel: str, version: str | None = None, files: Collection[str] | None = None) -> Path:
         """A local directory holding `rel`: the directory itself on a local store, else a cached copy.
 
         Engines (transformers, vLLM) load models from local paths only. A copy is made once per `version` (what
         the caller knows the directory's content by): a directory rewritten in place under a new version is
         copied again, and the copies of its other versions are then removed; one copy per directory is kept.
+        `files`: the paths inside `rel` to copy (a model's content files, never its `original/`); all when None.
+
+        Ranks of one node asking at once copy it once: the copy is made under a lock beside it, the others wait for
+        it and take it. The holder first removes the temporary copies of copiers that died (no one else copies).
         """
         local = self.local_path(rel)
         if local is not None:
@@ -332,15 +359,33 @@ class ArtifactStore:
         cache = self._cache_dir or Path(tempfile.gettempdir()) / "eagle3-store-cache"
         base = cache / hashlib.sha1(self.url.encode()).hexdigest()[:12] / rel.strip("/")
         target = base if version is None else base.with_name(f"{base.name}@{version}")
-        if not target.exists():
+        base.parent.mkdir(parents=True, exist_ok=True)
+        with open(base.parent / f".{base.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel when a holder dies
+            if target.exists():
+                return target
+            for pattern in (f"{glob.escape(base.name)}{TMP_MARK}*", f"{glob.escape(base.name)}@*{TMP_MARK}*"):
+                for dead in base.parent.glob(pattern):
+                    shutil.rmtree(dead, ignore_errors=True)
             tmp = target.with_name(target.name + TMP_MARK + uuid.uuid4().hex[:8])
-            tmp.mkdir(parents=True)
-            self.fs.get(self.path(rel).rstrip("/") + "/", str(tmp), recursive=True)
+            tmp.mkdir()
+            self._get_files(rel, tmp, files)
+            crash_point(f"local_copy:{rel}:copied")
             tmp.rename(target)
             for old in base.parent.glob(f"{glob.escape(base.name)}@*"):
                 if old != target and TMP_MARK not in old.name:
                     shutil.rmtree(old, ignore_errors=True)  # an engine still reading it keeps its open files
         return target
+
+    def _get_files(self, rel: str, dest: Path, files: Collection[str] | None) -> None:
+        """Copy `rel` (only `files` inside it, when given) into the local directory `dest`."""
+        if files is None:
+            self.fs.get(self.path(rel).rstrip("/") + "/", str(dest), recursive=True)
+            return
+        names = sorted(files)
+        for name in names:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get([self.path(f"{rel}/{name}") for name in names], [str(dest / name) for name in names])
 
     # -- space ---------------------------------------------------------------
     def free_bytes(self) -> int | None:

@@ -6,6 +6,9 @@ Each starts in its own session (process group): a Dagster server started in the
 background of a script ignores SIGTERM/SIGINT sent to it alone (docs/DESIGN.md §7), so both
 are stopped by signalling their whole group, and killed when they do not go in time.
 Ctrl-C or SIGTERM here stops both; if either dies, the other is stopped too.
+The instance's storage is created (or migrated) once, before either starts: on a fresh
+$DAGSTER_HOME both would create the SQLite schema at the same moment, and one would die of
+`table alembic_version already exists`.
 
     EAGLE3_UI_HOST (default 127.0.0.1)   EAGLE3_UI_PORT (default 3000)
 """
@@ -85,6 +88,25 @@ def daemon_command(config: UiConfig) -> list[str]:
     return [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(config.workspace)]
 
 
+def prepare_instance(env: Mapping[str, str], timeout_s: float = 300.0) -> None:
+    """Create (or bring up to date) the storage of the instance at `env`'s $DAGSTER_HOME, in one process: the
+    webserver and daemon started next then find its schema made. UiError with the command's output on failure."""
+    cmd = [str(Path(sys.executable).parent / "dagster"), "instance", "migrate"]
+    try:
+        done = subprocess.run(
+            cmd, cwd=REPO_ROOT, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=timeout_s,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UiError(f"cannot create the instance storage in {env['DAGSTER_HOME']} (`{' '.join(cmd)}`): {e}") from e
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-20:]
+        raise UiError(
+            f"cannot create the instance storage in {env['DAGSTER_HOME']}: `{' '.join(cmd)}` exited with code "
+            f"{done.returncode}:\n" + "\n".join(tail)
+        )
+
+
 @dataclass
 class UiProcesses:
     """The running webserver and daemon, each the leader of its own process group."""
@@ -111,6 +133,7 @@ def start_ui(config: UiConfig, env: Mapping[str, str] | None = None, log_dir: Pa
     config.dagster_home.mkdir(parents=True, exist_ok=True)
     child_env = {**(os.environ if env is None else env), "DAGSTER_HOME": str(config.dagster_home)}
     child_env.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+    prepare_instance(child_env)
     logs: list[Path] = []
 
     def spawn(name: str, cmd: list[str]) -> subprocess.Popen:
@@ -200,6 +223,9 @@ def main() -> int:
             time.sleep(1.0)
         print(f"[ui] {_describe_exits(exited)}; stopping the rest", file=sys.stderr)
         code = 1
+    except UiError as e:  # the instance storage could not be made: nothing was started
+        print(f"[ui] {e}", file=sys.stderr)
+        code = 2
     except _Stop as sig:
         print(f"[ui] {sig}: stopping the webserver and daemon", file=sys.stderr)
     finally:

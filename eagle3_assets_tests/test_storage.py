@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import ArtifactStore, StoreError, StoreRefusal
+from eagle3_assets.storage import TMP_MARK, ArtifactStore, StoreError, StoreRefusal
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -178,7 +178,8 @@ def test_a_remote_target_rewritten_in_place_is_loaded_fresh_and_its_old_copy_rem
     assert second_identity != first_identity and second.name == f"model@{second_identity}"
     new = load_file(other / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(loaded_embedding(), new) and not torch.equal(new, load_file(tiny_target_dir / "model.safetensors")["model.embed_tokens.weight"])
-    assert not first.exists() and sorted(p.name for p in second.parent.iterdir()) == [second.name]
+    copies = sorted(p.name for p in second.parent.iterdir() if not p.name.startswith("."))  # not the lock
+    assert not first.exists() and copies == [second.name]
     shutil.rmtree(second.parent)
 
 
@@ -294,3 +295,42 @@ def test_a_reader_that_does_not_own_a_directory_waits_for_its_owner_to_settle_it
     reader.wait_settled("drafter/release", timeout_s=30, poll_s=0.05)
     settler.join()
     assert _found(reader) == "new"
+
+
+def test_ranks_copying_a_remote_directory_at_once_all_get_the_one_copy(tmp_path: Path):
+    """Ranks of one node asking at once: before the lock, each copied, and all but the first rename failed."""
+    remote = ArtifactStore(f"memory://eagle3-test-{uuid.uuid4().hex}", cache_dir=tmp_path / "cache")
+    for i in range(20):
+        remote.write_bytes(f"model/w{i}.bin", bytes([i]) * 1000)
+    start, got, errors = threading.Barrier(4), [], []
+
+    def rank() -> None:
+        start.wait()
+        try:
+            got.append(remote.ensure_local_dir("model", version="v1"))
+        except OSError as e:  # each rank's failure, reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(set(got)) == 1
+    assert sorted(p.name for p in got[0].iterdir()) == sorted(f"w{i}.bin" for i in range(20))
+    assert [p.name for p in got[0].parent.iterdir() if not p.name.startswith(".")] == ["model@v1"]
+
+
+def test_a_local_copy_leaves_out_what_it_is_not_asked_for_and_sweeps_dead_copies(tmp_path: Path):
+    remote = ArtifactStore(f"memory://eagle3-test-{uuid.uuid4().hex}", cache_dir=tmp_path / "cache")
+    remote.write_text("model/config.json", "{}")
+    remote.write_text("model/original/consolidated.00.pth", "x" * 100)
+    first = remote.ensure_local_dir("model", version="v1", files=["config.json"])
+    dead = first.parent / f"model@v2{TMP_MARK}0123abcd"  # a copier of v2 killed mid-copy
+    (dead / "sub").mkdir(parents=True)
+    second = remote.ensure_local_dir("model", version="v2", files=["config.json", "original/consolidated.00.pth"])
+    assert not first.exists()  # the copy of the version before goes
+    assert sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file()) == [
+        "config.json", "original/consolidated.00.pth"
+    ]
+    assert sorted(p.name for p in second.parent.iterdir() if not p.name.startswith(".")) == ["model@v2"]

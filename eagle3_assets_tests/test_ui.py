@@ -42,7 +42,7 @@ from eagle3_assets.defs.ops.sensors import (
 from eagle3_assets.project import Project
 from eagle3_assets.settings import AlertSettings, load_settings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.ui import REPO_ROOT, UiConfig, server_info, start_ui, wait_until_serving
+from eagle3_assets.ui import REPO_ROOT, UiConfig, UiError, server_info, start_ui, wait_until_serving
 from eagle3_assets_tests.conftest import tiny_settings
 from eagle3_assets_tests.test_alerts import WebhookServer
 from eagle3_assets_tests.test_pipeline import DATA_ASSETS, seed_demo_target
@@ -543,3 +543,33 @@ def test_make_ui_stops_webserver_daemon_and_code_servers_on_ctrl_c(tmp_path):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+def _tables(db: Path) -> set[str]:
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        return {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def test_make_ui_creates_a_fresh_instances_schema_once_before_webserver_and_daemon_start(tmp_path):
+    # Both servers creating a fresh home's SQLite schema at once: one died of `table alembic_version already exists`.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(instance_yaml())
+    processes = start_ui(UiConfig(home, REPO_ROOT / "workspace.yaml", "127.0.0.1", free_port()), dict(os.environ), tmp_path)
+    try:
+        # Neither child has imported Dagster yet when start_ui returns: the schema is the one made before them.
+        for db in ("history/runs.db", "history/runs/index.db", "schedules/schedules.db"):
+            assert "alembic_version" in _tables(home / db), db
+    finally:
+        processes.stop()
+
+
+def test_make_ui_refuses_an_instance_whose_storage_cannot_be_created_naming_the_home(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("run_storage:\n  module: no_such_module\n  class: Nothing\n")
+    with pytest.raises(UiError, match=rf"cannot create the instance storage in {re.escape(str(home))}: `.*dagster "
+                       r"instance migrate` exited with code 1:\n(.|\n)*no_such_module"):  # fmt: skip
+        start_ui(UiConfig(home, REPO_ROOT / "workspace.yaml", "127.0.0.1", free_port()), dict(os.environ), tmp_path)

@@ -23,15 +23,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from eagle3_assets.crash_points import crash_point
-from eagle3_assets.drafter.checkpoint import checkpoint_rel
+from eagle3_assets.drafter.checkpoint import checkpoint_rel, list_checkpoints
 from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError, DataPosition, SampleFormat, SampleRef
 from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.hidden_states.manifest import ManifestError, ShardManifest
-from eagle3_assets.sample_file import SAMPLE_SUFFIX, manifest_path
+from eagle3_assets.sample_file import SAMPLE_SUFFIX, SampleSpec, manifest_path, sample_row, shard_dir
 from eagle3_assets.settings import family_root
 from eagle3_assets.shard_window import (
     EAGLE3,
+    Window,
     check_verdict,
     lost_sample_files,
     read_consumed_one,
@@ -129,6 +130,37 @@ class RollingPlan:
     def reservoir_rows(self) -> set[int]:
         """Every row the reservoir may hold under this plan."""
         return {r.row for r in self.kept_before} | {r.row for rows in self.keep for r in rows}
+
+
+def rolling_disk_needs(
+    store: ArtifactStore, tset: TokenizedSet, window: Window, key: str, spec: SampleSpec, reservoir_rows: int
+) -> list[tuple[str, int]]:
+    """What a rolling run still puts on the disk beside shard `key`'s own rows, each named with its bytes: the rows
+    the other admitted shards lack, the rows the replay reservoir has yet to keep (kept rows stay on the disk when
+    their shard is released), and one checkpoint of each family (a new one is written before the one before goes)."""
+    needs = []
+    missing: dict[str, list[int]] = {}
+    for other in (k for k in window.admitted() if k != key):
+        held = store.sizes(shard_dir(other))
+        if rows := [r for r in Shard.parse(other).rows if f"{r}{SAMPLE_SUFFIX}" not in held]:
+            missing[other] = rows
+    if rows := [r for rs in missing.values() for r in rs]:
+        needs.append((
+            f"{len(rows):,} rows of the other admitted shards ({', '.join(missing)})",
+            spec.projected_bytes(sum(tset.row_length(r) for r in rows), len(rows)),
+        ))  # fmt: skip
+    kept = sum(sample_row(n) is not None for n in store.listdir(REPLAY_DIR))
+    if (todo := max(0, reservoir_rows - kept)) and tset.num_rows:
+        needs.append((
+            f"{todo:,} rows {REPLAY_DIR}/ has yet to keep (training.replay_reservoir_rows={reservoir_rows}, {kept:,} kept)",
+            spec.projected_bytes(tset.num_tokens * todo // tset.num_rows, todo),
+        ))  # fmt: skip
+    for family in window.families:
+        root = family_root(family)
+        if steps := list_checkpoints(store.child(root)):
+            newest = f"{root}/{checkpoint_rel(steps[-1])}".lstrip("/")
+            needs.append((f"a checkpoint of {family} (as large as {newest})", store.tree_bytes(newest)))
+    return needs
 
 
 class RollingLoader:
@@ -284,14 +316,16 @@ class ShardWindow:
 
     def _consume(self, k: int, step: int) -> None:
         key = self.plan.keys[k]
-        if k == 0:
-            self._keep_heldout()
         checkpoint = f"{family_root(self.family)}/{checkpoint_rel(step)}".lstrip("/")
+        # The one write before the shard's bytes may go: a record of a few hundred bytes, so no file leaves the shard
+        # before every family's record exists.
         record = record_consumed(self.store, key, step=step, checkpoint=checkpoint, family=self.family)
         crash_point(f"recorded:{key}")
-        # Before the release may delete them: every family keeps the same seeded rows (copies of identical files), so
-        # whichever releases the shard has kept them.
-        self._keep_replay(k)
+        # Before the release may delete them: every family keeps the same seeded rows (identical files), so whichever
+        # releases the shard has kept them. The one that releases it moves them (no new bytes: on a full disk a copy
+        # would fail before the release that frees the shard's gigabytes, every time); the others copy them.
+        releasing = all(read_consumed_one(self.store, key, f) is not None for f in self.families if f != self.family)
+        self._keep_rows(k, move=releasing)
         done, waiting = release_when_consumed(self.store, record, self.family, self.families)
         crash_point(f"released:{key}")
         if waiting:
@@ -321,17 +355,20 @@ class ShardWindow:
         others = [f for f in self.families if f != self.family]
         return [f for f in others if (r := read_consumed_one(self.store, key, f)) is not None and r.released]
 
-    def _keep_heldout(self) -> None:
+    def _keep_rows(self, k: int, *, move: bool) -> None:
+        """Keep shard k's held-out rows (the first shard's) and reservoir rows out of the shard, moved or copied."""
         # Copied again over an earlier run's copies (another target's states, say); a continuation's held-out rows
         # are the release's, whose shard is gone: their copies are the ones that run made.
-        for ref in self.plan.heldout:
-            if self.store.exists(source := SampleRef(ref.shard, ref.row, ref.length).rel):
-                self.store.write_bytes(ref.rel, self.store.read_bytes(source))
-
-    def _keep_replay(self, k: int) -> None:
-        for ref in self.plan.keep[k] if self.plan.keep else ():
-            if self.store.exists(ref.rel):  # else another family released the shard, keeping these first
-                self.store.write_bytes(f"{REPLAY_DIR}/{ref.row}{SAMPLE_SUFFIX}", self.store.read_bytes(ref.rel))
+        held = [(SampleRef(r.shard, r.row, r.length).rel, r.rel) for r in self.plan.heldout] if k == 0 else []
+        kept = [(r.rel, f"{REPLAY_DIR}/{r.row}{SAMPLE_SUFFIX}") for r in (self.plan.keep[k] if self.plan.keep else ())]
+        for source, dest in held + kept:
+            try:
+                if move:
+                    self.store.move(source, dest)
+                elif self.store.exists(source):
+                    self.store.write_bytes(dest, self.store.read_bytes(source))
+            except FileNotFoundError:
+                pass  # another family released the shard, keeping these first (or a kill after this move)
 
     def start_over(self) -> None:
         """This trainer starts a pass at step 0: it clears its family's window records of the pass's shards (another

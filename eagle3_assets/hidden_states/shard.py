@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -173,16 +173,21 @@ def check_writable(store: ArtifactStore, shard: Shard) -> None:
 
 def preflight_disk(
     shard: Shard, *, remaining_tokens: int, remaining_files: int, spec: SampleSpec, margin: float, free: int | None,
-    where: str,
+    where: str, beside: Sequence[tuple[str, int]] = (),
 ) -> str:  # fmt: skip
-    """Raise InsufficientSpaceError when free < projected x (1 + margin); else return a note."""
+    """Raise InsufficientSpaceError when free < (projected + beside) x (1 + margin); else return a note. `beside`: what
+    else will be written to the disk before this shard's bytes can go (rolling mode, `rolling_disk_needs`), named."""
     projected = spec.projected_bytes(remaining_tokens, remaining_files)
+    total = projected + sum(b for _, b in beside)
     # Exact decimal arithmetic: 28,160 x 1.05 in floats rounds up one byte too many.
-    needed = projected + math.ceil(projected * Fraction(repr(margin)))
+    needed = total + math.ceil(total * Fraction(repr(margin)))
     formula = (
         f"{remaining_tokens:,} remaining tokens x {spec.bytes_per_token} bytes (4 x hidden {spec.hidden_size} in "
         f"{spec.dtype}, ids, mask) + {remaining_files:,} files x {spec.file_overhead(remaining_tokens // max(1, remaining_files))} header bytes"
-        f" = {projected:,} bytes, plus {margin:.0%} margin"
+        f" = {projected:,} bytes"
+        + "".join(f"; + {b:,} bytes for {what}" for what, b in beside)
+        + (f"; = {total:,} bytes" if beside else "")
+        + f", plus {margin:.0%} margin"
     )
     if free is None:
         return (
@@ -348,11 +353,12 @@ def plan_shard(
     max_context: int,
     free_bytes: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    beside: Sequence[tuple[str, int]] = (),
 ) -> ShardPlan:
     """The preflight (steps 1-3 of the module docstring): raises a `ShardRefusal`, or says what is left to do.
 
     `spec.last_hidden_state_norm` None accepts files of either convention (each records its own);
-    `free_bytes` overrides the store's free-space figure (tests).
+    `free_bytes` overrides the store's free-space figure (tests); `beside`: what else the disk must take, named.
     """
     started = clock()
     if shard.end > tokenized.num_rows:
@@ -377,6 +383,7 @@ def plan_shard(
             margin=settings.disk_margin,
             free=free_bytes if free_bytes is not None else store.free_bytes(),
             where=store.url_of(shard_dir(shard.key)),
+            beside=beside,
         )
         notes.append(note)
         log.info("shard %s: %s", shard.key, note)

@@ -20,6 +20,7 @@ from eagle3_assets.defs.observe import observe, to_metadata
 from eagle3_assets.defs.partitions import registered_shard_keys, shard_partitions
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.server_slots import server_slot
+from eagle3_assets.drafter.rolling import rolling_disk_needs
 from eagle3_assets.hidden_states import open_extractor
 from eagle3_assets.hidden_states.shard import ExtractionProgress, completed_shard, plan_shard, run_shard
 from eagle3_assets.leases import Lease
@@ -53,6 +54,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
         """Aux-layer and final hidden states of every row of one shard, one safetensors file per row."""
         shard = Shard.parse(context.partition_key)
         store, settings = project.store, project.settings
+        window = None
         if settings.training.rolling:
             window = Window.read(
                 store, registered_shard_keys(context.instance), settings.training.window_shards, settings.drafters
@@ -81,7 +83,16 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
             tset = TokenizedSet.load(store)
             spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype, project.model_name)
             # Before any model loads: a refusal (disk, context, a read-only store) costs nothing.
-            plan = plan_shard(store, tset, shard, spec, settings.extraction, max_context=target.max_context or 1 << 30)
+            # Rolling: the disk must also take the other admitted shards, the reservoir and a checkpoint, or it fills
+            # before a release can free it.
+            beside = (
+                rolling_disk_needs(store, tset, window, shard.key, spec, settings.training.replay_reservoir_rows)
+                if window is not None
+                else []
+            )
+            plan = plan_shard(
+                store, tset, shard, spec, settings.extraction, max_context=target.max_context or 1 << 30, beside=beside
+            )
             for note in plan.notes:
                 context.log.info(note)
             url, backend = None, "none"
