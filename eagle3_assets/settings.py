@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
 import yaml
@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eagle3_assets.architectures import ARCHITECTURES
 from eagle3_assets.errors import Refusal
 from eagle3_assets.storage_dtypes import StorageDtype
+
+if TYPE_CHECKING:
+    from eagle3_assets.target import TargetModel
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 ROOT_ENV = "EAGLE3_ROOT"
@@ -592,8 +595,18 @@ class Settings(_Section):
                 "(same format as `prompts`), or stop before it (python -m eagle3_assets.start --through drafter)"
             )
 
-    def check_against_target(self, *, vocab_size: int) -> None:
+    def check_against_target(self, target: TargetModel) -> None:
         """Settings that only make sense for a given target; raise SettingsError naming the field."""
+        vocab_size = target.vocab_size
+        if target.quantization:
+            # transformers 5.19 loads a compressed-tensors MoE's experts only where they are quantized and leaves the
+            # others random without an error; the pipeline never runs a target it cannot trust HF to load.
+            hf = [f"{s}.backend" for s in ("generation", "extraction") if getattr(self, s).backend == "hf"]
+            if hf:
+                raise SettingsError(
+                    f"{', '.join(hf)}: hf cannot be trusted to load {target.path}, whose weights are quantized "
+                    f"({target.quantization}); set {' and '.join(f'{f}: vllm' for f in hf)}"
+                )
         if self.draft_vocab_size > vocab_size:
             raise SettingsError(
                 f"draft_vocab_size: {self.draft_vocab_size} is larger than the target vocabulary ({vocab_size})"
@@ -688,7 +701,7 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
 
         try:
             target = TargetModel.read(settings.target_model, aux_layer_ids=settings.aux_layer_ids)
-            settings.check_against_target(vocab_size=target.vocab_size)
+            settings.check_against_target(target)
         except (SettingsError, TargetModelError) as e:
             raise SettingsError(f"invalid settings in {path}: {e}") from None
     return settings

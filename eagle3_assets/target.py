@@ -77,6 +77,7 @@ class TargetModel:
     tie_word_embeddings: bool
     aux_layer_ids: tuple[int, ...] = ()  # resolved and checked by `read`; () when only the shape was parsed
     trust_remote_code: bool = False
+    quantization: str | None = None  # `quantization_config.quant_method` (Kimi-K2.5: compressed-tensors); None = none
     config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the text model's config
 
     @classmethod
@@ -113,6 +114,7 @@ class TargetModel:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
                 aux_layer_ids=aux_layer_ids,
                 trust_remote_code=trust_remote_code,
+                quantization=quant_method(config),
                 config=cfg,
             )
         except (TypeError, ValueError) as e:
@@ -167,6 +169,12 @@ def text_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"model's shape ({', '.join(SHAPE_FIELDS)}) is read from there"
         )
     return dict(config)
+
+
+def quant_method(config: Mapping[str, Any]) -> str | None:
+    """How the checkpoint's weights are quantized, from `quantization_config` (a wrapper's or its text model's)."""
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    return str(quant.get("quant_method") or "unknown") if isinstance(quant, Mapping) else None
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

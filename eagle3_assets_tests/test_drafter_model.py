@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from eagle3_assets.drafter.export import expected_export_tensors
 from eagle3_assets.target import TargetModel
 from eagle3_assets.drafter.model import (
-    DrafterConfig, Eagle3Drafter, KVCache, rms_norm, rotary_cos_sin, step_indices, ttt_attention_mask,
+    DrafterConfig, Eagle3Drafter, KVCache, MLAttention, rms_norm, rotary_cos_sin, rotary_frequencies, step_indices,
+    ttt_attention_mask,
 )  # fmt: skip
 
 CFG = DrafterConfig(
@@ -246,3 +247,57 @@ def test_config_from_target_config_and_bad_shapes():
     with pytest.raises(ValueError, match=r"vocab map shapes d2t \[10\]"):
         Eagle3Drafter(CFG, torch.zeros(10, dtype=torch.int64), torch.zeros(256, dtype=torch.bool))
     assert KVCache().__len__() == 0
+
+
+MLA = dict(q_lora_rank=48, kv_lora_rank=40, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24)
+
+
+def test_mla_attention_is_deepseek_v3s_own():
+    """The drafter's MLA equals transformers' DeepSeek-V3 attention (interleaved rotary, as vLLM serves it) given the
+    same weights: HF's reads an input as wide as its hidden size, so it is built 2H wide and its output cut to H."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    torch.manual_seed(0)
+    H, T = 64, 7
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                        vocab_size=100, draft_vocab_size=100, **MLA)  # fmt: skip
+    ours = MLAttention(cfg)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    hf_cfg = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=cfg.rms_norm_eps,
+                              rope_interleave=True, **MLA)  # fmt: skip
+    hf_cfg._attn_implementation = "eager"
+    hf = DeepseekV3Attention(hf_cfg, layer_idx=0)
+    weights = dict(ours.state_dict())
+    weights["o_proj.weight"] = torch.cat([weights["o_proj.weight"], torch.zeros(H, 2 * MLA["v_head_dim"])])
+    hf.load_state_dict(weights, strict=True)
+    x, positions = torch.randn(1, T, 2 * H), torch.arange(T)[None]
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    want = hf(x, position_embeddings=DeepseekV3RotaryEmbedding(hf_cfg)(x, positions), attention_mask=causal)[0][..., :H]
+    cos, sin = rotary_cos_sin(positions, *rotary_frequencies(cfg))
+    got = ours(x, cos, sin, KVCache(), None)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_an_mla_targets_drafter_has_mla_and_per_layer_feature_norms_under_vllms_deepseek_names():
+    target = TargetModel.from_config(
+        {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 100,
+         "num_attention_heads": 2, "intermediate_size": 96, **MLA},
+        path="mla-target",
+    )  # fmt: skip
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=50, norm_before_fc=True)
+    assert cfg.mla and (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.rope_dim) == (40, 16, 16)
+    model = Eagle3Drafter(cfg, torch.zeros(50, dtype=torch.long), torch.arange(100) < 50)
+    shapes = {n: tuple(t.shape) for n, t in model.trainable_state_dict().items()}
+    assert shapes == expected_export_tensors(cfg)
+    assert {n for n in shapes if "self_attn" in n or "norm" in n} == {
+        "midlayer.self_attn.q_a_proj.weight", "midlayer.self_attn.q_a_layernorm.weight", "midlayer.self_attn.q_b_proj.weight",
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight", "midlayer.self_attn.kv_a_layernorm.weight",
+        "midlayer.self_attn.kv_b_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.input_layernorm.weight",
+        "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight",
+        "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight",
+    }  # fmt: skip
+    assert shapes["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == (40 + 16, 128)  # latent + shared rope key
+    logits = model(torch.randint(0, 100, (2, 9)), torch.randn(2, 9, 3 * 64), num_steps=3)
+    assert [tuple(l.shape) for l in logits] == [(2, 9, 50)] * 3

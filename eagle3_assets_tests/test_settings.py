@@ -183,9 +183,30 @@ def test_both_families_train_in_rolling_mode_on_one_node():
     assert settings.training.rolling and settings.drafters == ["eagle3", "dflash"]
 
 
+def target_of(**config) -> TargetModel:
+    shape = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 256,
+             "num_attention_heads": 2}  # fmt: skip
+    return TargetModel.from_config(shape | config, path="/models/t")
+
+
 def test_a_mask_token_outside_the_targets_vocabulary_is_refused_naming_the_field():
     settings = Settings(drafters=["eagle3", "dflash"], dflash={"mask_token_id": 300}, draft_vocab_size=128)
     with pytest.raises(SettingsError) as e:
-        settings.check_against_target(vocab_size=256)
+        settings.check_against_target(target_of())
     assert str(e.value) == "dflash.mask_token_id: 300 is outside the target vocabulary (ids 0..255)"
-    Settings(dflash={"mask_token_id": 300}, draft_vocab_size=128).check_against_target(vocab_size=256)  # not trained
+    Settings(dflash={"mask_token_id": 300}, draft_vocab_size=128).check_against_target(target_of())  # not trained
+
+
+def test_a_quantized_target_is_refused_to_the_hf_backends_naming_the_one_to_use():
+    int4 = target_of(quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"})
+    assert int4.quantization == "compressed-tensors" and target_of().quantization is None
+    with pytest.raises(SettingsError) as e:
+        Settings(draft_vocab_size=128, generation={"backend": "vllm"}).check_against_target(int4)
+    assert str(e.value) == (
+        "extraction.backend: hf cannot be trusted to load /models/t, whose weights are quantized (compressed-tensors); "
+        "set extraction.backend: vllm"
+    )
+    with pytest.raises(SettingsError, match=r"^generation.backend, extraction.backend: .* set generation.backend: vllm "
+                                            r"and extraction.backend: vllm$"):  # fmt: skip
+        Settings(draft_vocab_size=128).check_against_target(int4)
+    Settings(draft_vocab_size=128, generation={"backend": "vllm"}, extraction={"backend": "vllm"}).check_against_target(int4)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.drafter.checkpoint import non_finite
 from eagle3_assets.drafter.errors import TrainingError
-from eagle3_assets.drafter.model import MLA_FIELDS, DrafterConfig, Eagle3Drafter, mla_fields
+from eagle3_assets.drafter.model import MLA_FIELDS, DrafterConfig, Eagle3Drafter
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
@@ -271,7 +271,7 @@ def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eag
     # config.json is an HF Llama config, the shape the drafter takes from its target.
     cfg = DrafterConfig.from_target(
         TargetModel.from_config(config, path=export_dir), draft_vocab_size=config["draft_vocab_size"],
-        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS}, **mla_fields(config),
+        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
     )  # fmt: skip
     if cfg.mla:  # the MLA form says norm_before_fc as `fc_norm`
         cfg = replace(cfg, norm_before_fc=bool(config.get("fc_norm")))

@@ -27,7 +27,7 @@ from eagle3_assets.drafter.dflash_loss import decay_weight, dflash_forward
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.export import export_drafter
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, mla_fields
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import Targets, TargetWeights
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
 from eagle3_assets.settings import DRAFTER_FAMILIES, DFlashSettings, Settings, TrainingSettings, family_root
@@ -106,7 +106,6 @@ class Eagle3:
         cfg = DrafterConfig.from_target(
             target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size,
             norm_before_fc=s.norm_before_fc, norm_before_residual=s.norm_before_residual, norm_output=s.norm_output,
-            **mla_fields(target.config),  # an MLA target's drafter attends as it does
         )  # fmt: skip
         return build_drafter(cfg, weights, vmap, seed, train_lm_head=s.train_lm_head)
 

@@ -125,6 +125,11 @@ class DrafterConfig(DrafterShape):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
+    @classmethod
+    def from_target(cls, target: TargetModel, **kwargs: Any) -> Self:
+        """As `DrafterShape.from_target`; beside an MLA target the attention is MLA of the target's shape."""
+        return super().from_target(target, **(mla_fields(target.config) | kwargs))
+
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0

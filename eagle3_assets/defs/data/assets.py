@@ -157,7 +157,7 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
             built = _build_demo_target(context, project)
     with failures():
         target = project.target()
-        project.settings.check_against_target(vocab_size=target.vocab_size)
+        project.settings.check_against_target(target)
         tokenizer = load_tokenizer(target)
         reasoning = detect_format(tokenizer, project.settings.generation.reasoning)
         want = Staleness(project).expected("target_model")  # the files just validated

@@ -1,0 +1,50 @@
+"""Serve a drafter export beside its target in vLLM and record what vLLM's loader loaded into the drafter.
+
+`python serve_check.py request.json result.json`: request {"target", "draft", "prompts" (token ids), "max_tokens"};
+result {"draft_class", "unloaded" (the drafter's parameters no checkpoint tensor filled), "mean_acceptance_length"}.
+vLLM's loader raises on a checkpoint name it has no parameter for, so "unloaded" empty but for the embedding
+(shared from the target) means every weight vLLM builds came from the export and none of the export was left over.
+The loader is wrapped, not replaced: vLLM loads exactly as it would, and this script notes what it returned.
+Run with VLLM_ENABLE_V1_MULTIPROCESSING=0 so the engine, and so the loader, is in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor.models import utils
+
+    loads: list[tuple[str, list[str], set[str]]] = []
+    load_weights = utils.AutoWeightsLoader.load_weights
+
+    def recorded(self, weights, *, mapper=None):
+        names = [name for name, _ in self.module.named_parameters()]
+        loaded = load_weights(self, weights, mapper=mapper)
+        loads.append((type(self.module).__name__, names, set(loaded)))
+        return loaded
+
+    utils.AutoWeightsLoader.load_weights = recorded
+    request = json.loads(open(sys.argv[1]).read())
+    llm = LLM(
+        model=request["target"],
+        speculative_config={"method": "eagle3", "model": request["draft"], "num_speculative_tokens": 3},
+        dtype="auto", enforce_eager=True, max_model_len=512, seed=0, skip_tokenizer_init=True, disable_log_stats=False,
+    )  # fmt: skip
+    draft_class, names, loaded = next(r for r in reversed(loads) if r[0].startswith("Eagle3"))
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]],
+        SamplingParams(temperature=0.0, max_tokens=request["max_tokens"]),
+        use_tqdm=False,
+    )
+    counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts = counters["vllm:spec_decode_num_drafts"]
+    result = {
+        "draft_class": draft_class,
+        "unloaded": sorted(set(names) - loaded),
+        "mean_acceptance_length": 1 + counters["vllm:spec_decode_num_accepted_tokens"] / max(drafts, 1),
+    }
+    open(sys.argv[2], "w").write(json.dumps(result))

@@ -1,0 +1,190 @@
+"""The architecture matrix (issue 51): the targets people train drafters for, in miniature, through the whole graph.
+
+Each leg builds a miniature of one architecture (`eagle3_assets/architectures/`) trained briefly on the demo's
+world, so its logits are peaked, and runs the one start command on it with vLLM generating, extracting and
+serving: prompts → responses → tokenized → hidden_states → vocab_map → an EAGLE-3 drafter → drafter_eval. Then:
+- every training row is the prompt the engine saw plus exactly the tokens it generated;
+- HF's hidden states of the same rows equal vLLM's stored ones within bf16's tolerance (`HIDDEN_TOLERANCE`);
+- every weight vLLM builds for the drafter was loaded from the export (none missing, none left over);
+- served beside the target, the drafter's output equals plain greedy decoding, and it is accepted more often than
+  an untrained drafter of the same shape.
+
+`deepseek_v3` is Kimi-K2's shape (MLA + MoE with a shared expert); `qwen3_moe` the second MoE architecture.
+Each leg is the smallest that shows it: 240 prompts in one shard, a target trained 600 steps, 8 held-out prompts.
+`make bench-arch` runs the same legs at the demo's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file
+
+from eagle3_assets.chat import generation_prompt_ids
+from eagle3_assets.crash_points import CRASH_ENV
+from eagle3_assets.demo.prompts import demo_prompt_sets
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
+from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.evaluate import load_eval_prompts
+from eagle3_assets.drafter.family import build_drafter
+from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.target_head import load_target_weights
+from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
+from eagle3_assets.project import Project
+from eagle3_assets.responses import read_responses
+from eagle3_assets.sample_file import decode_hidden, sample_path
+from eagle3_assets.settings import CONFIG_ENV, Settings, demo_settings
+from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import load_tokenizer
+from eagle3_assets.tokenized import TokenizedSet
+from eagle3_assets.vocab_map import VocabMap
+
+from .helpers import REPO, vllm_test_settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(3600)]
+
+ARCHITECTURES = os.environ.get("EAGLE3_ARCHITECTURES", "deepseek_v3,qwen3_moe").split(",")
+ROWS = int(os.environ.get("EAGLE3_ARCH_ROWS", "240"))
+EVAL_PROMPTS = 8
+# HF runs the bf16 checkpoint in float32, vLLM in bf16: four layers of bf16 rounding, measured up to ~0.02.
+HIDDEN_TOLERANCE = 0.05
+SERVE_CHECK = Path(__file__).with_name("serve_check.py")
+
+
+def leg_settings(architecture: str, eval_prompts: Path) -> Settings:
+    data = demo_settings(architecture).model_dump()
+    data["demo"] |= {"num_prompts": ROWS, "train_steps": 600}
+    data |= {"shard_size": ROWS, "drafters": ["eagle3"], "eval_prompts": str(eval_prompts)}
+    data["generation"] |= {"backend": "vllm", "max_new_tokens": 64}
+    data["extraction"] |= {"backend": "vllm"}
+    # "auto": the checkpoint's dtype, bf16 for an MoE miniature (vLLM's CPU MoE kernel takes no float32).
+    data["vllm"] = vllm_test_settings(max_model_len=512, dtype="auto").model_dump()
+    data["training"] |= {"epochs": 8.0, "warmup_steps": 10, "checkpoint_every": 50, "heldout_rows": 16}
+    data["evaluation"] |= {"max_new_tokens": 24}
+    return Settings.model_validate(data)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def leg(request, tmp_path_factory):
+    architecture = request.param
+    base = tmp_path_factory.mktemp(f"arch-{architecture}")
+    home, root = base / "home", base / "store"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    eval_prompts = base / "eval_prompts.jsonl"
+    held_out = demo_prompt_sets(demo_settings(architecture).demo)[1][:EVAL_PROMPTS]
+    eval_prompts.write_text("".join(json.dumps(p) + "\n" for p in held_out))
+    settings = leg_settings(architecture, eval_prompts)
+    (base / "eagle3.yaml").write_text(settings.model_dump_json())
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    env |= {"DAGSTER_HOME": str(home), "EAGLE3_ROOT": str(root), CONFIG_ENV: str(base / "eagle3.yaml")}
+    run = subprocess.run([sys.executable, "-m", "eagle3_assets.start"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return architecture, Project(settings, ArtifactStore(root)), base
+
+
+def test_the_target_is_a_miniature_of_its_architecture(leg):
+    architecture, project, _ = leg
+    config = json.loads((project.target_dir() / "config.json").read_text())
+    assert config["model_type"] == architecture and config["dtype"] == "bfloat16"
+    if architecture == "deepseek_v3":  # Kimi-K2's: MLA with the latent the CPU kernels take, a dense first layer
+        assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["first_k_dense_replace"]) == (512, 64, 1)
+        assert (config["topk_method"], config["scoring_func"], config["n_shared_experts"]) == ("noaux_tc", "sigmoid", 1)
+
+
+def test_training_rows_are_exactly_what_vllm_saw_and_generated(leg):
+    _, project, _ = leg
+    records = read_responses(project.store)
+    rows = TokenizedSet.load(project.store)
+    assert rows.num_rows == len(records) == ROWS
+    for r, record in enumerate(records):
+        ids, mask = rows.row(r)
+        assert ids.tolist() == record["prompt_token_ids"] + record["completion_token_ids"], record["id"]
+        assert mask.tolist() == [0] * len(record["prompt_token_ids"]) + [1] * len(record["completion_token_ids"])
+    # The demo template thinks: the reasoning is kept as the target generated it.
+    assert sum(r["usage"]["reasoning_tokens"] > 0 for r in records) == ROWS
+
+
+def test_hf_and_vllm_hidden_states_agree(leg):
+    _, project, _ = leg
+    target = project.target()
+    rows = TokenizedSet.load(project.store)
+    shard = f"rows_0-{ROWS}"
+    hf_settings = project.settings.model_copy(
+        update={"extraction": project.settings.extraction.model_copy(update={"backend": "hf"})}
+    )
+    extractor = open_extractor(hf_settings, target, device="cpu")
+    try:
+        requests = [ExtractionRequest(r, np.asarray(rows.row(r)[0], dtype=np.int32)) for r in range(4)]
+        samples = extract_in_order(extractor, requests)
+        pre_norm = extractor.last_hidden_state_norm == "pre_norm"
+    finally:
+        extractor.close()
+    for sample in samples:
+        stored = st_load(project.store.read_bytes(sample_path(shard, sample.row)))
+        assert np.array_equal(stored["input_ids"].numpy(), sample.input_ids)
+        pairs = [("aux_hidden_states", sample.aux_hidden_states)] + (
+            [("last_hidden_state", sample.last_hidden_state)] if pre_norm else []
+        )
+        for name, hf in pairs:
+            vllm = decode_hidden(stored, name).float()
+            error = ((hf.float() - vllm).norm() / vllm.norm()).item()
+            assert error < HIDDEN_TOLERANCE, (sample.row, name, error)
+
+
+@pytest.fixture(scope="module")
+def served(leg):
+    """The untrained drafter of the same shape, exported like the trained one and served at k=3 beside the target
+    in one vLLM interpreter, which also records what its loader loaded."""
+    _, project, base = leg
+    side = ArtifactStore(base / "untrained")
+    target = project.target()
+    vmap = VocabMap.load(project.store)
+    cfg = DrafterConfig.from_target(
+        target, draft_vocab_size=len(vmap.d2t), norm_before_fc=True, norm_before_residual=True, norm_output=True
+    )
+    model = build_drafter(cfg, load_target_weights(target), vmap, seed=0)
+    export_drafter(side, model.trainable_state_dict(), cfg, aux_layer_ids=list(target.aux_layer_ids))
+    tokenizer = load_tokenizer(target)
+    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in load_eval_prompts(project.store)]
+    request, out = base / "serve_check.json", base / "served.json"
+    request.write_text(json.dumps({"target": str(target.path), "draft": str(side.local_path(EXPORT_DIR)),
+                                   "prompts": prompt_ids, "max_tokens": project.settings.evaluation.max_new_tokens}))  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, str(SERVE_CHECK), str(request), str(out)],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    return project, side, json.loads(out.read_text())
+
+
+def test_the_export_holds_every_weight_vllm_builds_and_nothing_else(served):
+    project, side, result = served
+    trained = load_file(str(project.store.local_path(EXPORT_DIR) / "model.safetensors"))
+    untrained = load_file(str(side.local_path(EXPORT_DIR) / "model.safetensors"))
+    assert {n: t.shape for n, t in trained.items()} == {n: t.shape for n, t in untrained.items()}
+    assert json.loads((project.store.local_path(EXPORT_DIR) / "config.json").read_text()) == json.loads(
+        (side.local_path(EXPORT_DIR) / "config.json").read_text()
+    )
+    # The draft's own weights, all loaded; the embedding alone is the target's (exports never carry it).
+    assert result["unloaded"] == ["model.embed_tokens.weight"], result
+    assert result["draft_class"] == ("Eagle3DeepseekV2ForCausalLM" if project.target().config.get("kv_lora_rank")
+                                     else "Eagle3LlamaForCausalLM")  # fmt: skip
+
+
+def test_served_output_equals_greedy_and_beats_an_untrained_drafter(served):
+    project, _, result = served
+    report = project.store.read_json(EVAL_REPORT_FILE)
+    assert report["mismatches"] == []
+    trained, untrained = report["mean_acceptance_length_k3"], result["mean_acceptance_length"]
+    assert trained > untrained + 0.1, (trained, untrained)
