@@ -122,16 +122,16 @@ def _hidden_states(s: Settings) -> tuple[str, ...]:
     return ("aux_layer_ids", "extraction.storage_dtype") + (VLLM_EXTRACTION if s.extraction.backend == "vllm" else ())
 
 
-def _drafter(_: Settings) -> tuple[str, ...]:
+# A drafter learns from the shards' features: every setting the shards are extracted with (`vllm.dtype`, a
+# quantization flag) is in its reads, so other features retrain it (issue 52, item 7), never only re-extract.
+def _drafter(s: Settings) -> tuple[str, ...]:
     learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
-    return ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
+    return _hidden_states(s) + ("shard_size",) + tuple(f"training.{f}" for f in learnt)
 
 
-def _dflash_drafter(_: Settings) -> tuple[str, ...]:
+def _dflash_drafter(s: Settings) -> tuple[str, ...]:
     learnt = [f for f in TrainingSettings.model_fields if f not in (*TRAINING_HOW, *EAGLE3_ONLY)]
-    return ("aux_layer_ids", "extraction.storage_dtype", "shard_size", "dflash") + tuple(
-        f"training.{f}" for f in learnt
-    )
+    return _hidden_states(s) + ("shard_size", "dflash") + tuple(f"training.{f}" for f in learnt)
 
 
 def _eval(_: Settings) -> tuple[str, ...]:

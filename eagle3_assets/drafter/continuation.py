@@ -19,6 +19,7 @@ from typing import Any
 
 from eagle3_assets.drafter.export import TRAINED_ON_FILE
 from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD
+from eagle3_assets.provenance import settings_read
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -37,8 +38,9 @@ def model_loss_settings(settings: Settings, family: str, family_fingerprint: Map
     return {
         **({"family": dict(family_fingerprint)} if family_fingerprint else {}),
         "training": {f: getattr(settings.training, f) for f in fields},
-        "aux_layer_ids": settings.aux_layer_ids,
-        "extraction.storage_dtype": settings.extraction.storage_dtype,
+        # Every setting the shards are extracted with (`vllm.dtype` and `vllm.extra_args` when vLLM extracts, left
+        # out at their defaults as in provenance): a release is never continued on features extracted otherwise.
+        **settings_read("hidden_states", settings),
     }
 
 
