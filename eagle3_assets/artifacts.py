@@ -160,7 +160,7 @@ ARTIFACTS: dict[str, Artifact] = {
             _responses,
             parents=("prompts", "target_model"),
             runs_with=(*SERVING, "generation.backend", "generation.batch_size", "generation.rows_per_part",
-                       "generation.max_error_rate"),
+                       "generation.max_error_rate", "generation.max_row_attempts"),
         ),  # fmt: skip
         Artifact(
             "tokenized",

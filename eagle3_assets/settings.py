@@ -43,6 +43,12 @@ class GenerationSettings(_Section):
     batch_size: int = Field(32, ge=1, description="prompts per generate() call")
     rows_per_part: int = Field(256, ge=1, description="rows per atomically written part file: the resume granularity")
     max_error_rate: float = Field(0.05, ge=0.0, le=1.0, description="fail the asset when more rows than this fail")
+    max_row_attempts: int = Field(
+        3,
+        ge=1,
+        description="materializations that send a row to the engine before a row it keeps failing is given up: "
+        "reported as not generated, with its last error, and no longer keeping responses due",
+    )
     seed: int = 0
     reasoning: Literal["auto", "think", "harmony", "none"] = Field(
         "auto",

@@ -215,11 +215,13 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         finally:
             generator.close()
     if summary.rows_failed:
-        kept = summary.rows_failed - summary.rows_to_retry
+        kept = summary.rows_failed - summary.rows_to_retry - summary.rows_given_up
         context.log.warning(
             f"responses: {summary.rows_failed} of {summary.rows} rows failed: {summary.rows_to_retry} in the engine, "
-            f"retried on the next materialization (the asset stays due until they succeed), {kept} that cannot be "
-            "generated as set, not retried until the prompts or settings change; first: " + "; ".join(summary.first_errors)
+            f"retried on the next materialization (the asset stays due until they succeed), {summary.rows_given_up} "
+            "the engine kept failing, not generated and not retried (what follows goes on without them), "
+            f"{kept} that cannot be generated as set, not retried until the prompts or settings change; first: "
+            + "; ".join(summary.first_errors)
         )
     meta = summary.as_metadata()
     # The record keeps the retry: the asset stays due (`provenance.current_problem`) until the rows succeed.
@@ -229,9 +231,10 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         data_version=version["data_version"],
         metadata={
             **version["metadata"],
-            **to_metadata({k: v for k, v in meta.items() if k != "first_errors"}),
+            **to_metadata({k: v for k, v in meta.items() if k not in ("first_errors", "given_up")}),
             "error_rate": round(summary.rows_failed / max(1, summary.rows), 4),
             "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
+            "given_up": MetadataValue.md("\n".join(f"- {e}" for e in summary.given_up) or "none"),
             "backend": generator.name,
             "reasoning_format": renderer.reasoning,
             "path": store.url_of(RESPONSES_FILE),
