@@ -57,7 +57,7 @@ VLLM_EXTRACTION = ("vllm.dtype", "vllm.extra_args")
 # counts, which the default margin keeps, and a drafter trained before continued from nothing.
 RECORDED_SINCE: dict[str, object] = {
     "vllm.dtype": "auto", "vllm.extra_args": [], "vllm.max_model_len": None, "vocab_map_keep_margin": 0.005,
-    "training.replay_rows": None, "training.continue_fraction": 0.25,
+    "training.replay_rows": None, "training.continue_fraction": 0.25, "evaluation.replace_release_for_target": None,
 }  # fmt: skip
 
 
@@ -206,7 +206,8 @@ ARTIFACTS: dict[str, Artifact] = {
         ),
         Artifact(
             "drafter_release",
-            lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters"),
+            lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters",
+                       "evaluation.replace_release_for_target"),
             parents=lambda s: tuple(eval_artifact(f) for f in s.drafters),
         ),
     )

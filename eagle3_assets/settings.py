@@ -426,6 +426,12 @@ class EvaluationSettings(_Section):
         description="`drafter_release` never releases an export serving below this mean acceptance length at any k: "
         "at 1.0 no draft is ever accepted (a zeroed or misloaded head)",
     )
+    replace_release_for_target: str | None = Field(
+        None,
+        description="a person's approval that an export of this target_model version (as drafter_release names it) "
+        "replaces a drafter released for another target; unset, that release stays and the release check fails "
+        "naming this setting with the version to approve",
+    )
     context_bins: list[int] = Field(
         default_factory=lambda: [0, 1024, 4096, 16384, 32768, 65536],
         description="edges of the context-length bins (prompt tokens) drafter_eval reports acceptance in: bin i holds "

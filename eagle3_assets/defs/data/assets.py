@@ -35,7 +35,7 @@ from eagle3_assets.prompts import (
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, made_by, read_responses
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version
+from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version, unknown_target_files
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import (
@@ -165,6 +165,13 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
     # Its version is its content identity; the version a record made before that had is kept beside it, so a release
     # made then is still this target's (`provenance.sampled_version`).
     earlier = {} if project.settings.is_demo else {"sampled_version": sampled_version(want, project.settings.target_model)}
+    with failures():
+        unknown = [] if project.settings.is_demo else unknown_target_files(project.settings.target_model)
+    if unknown:
+        context.log.warning(
+            f"target_model: {len(unknown)} file(s) in {project.settings.target_model} are no known part of a model "
+            f"and not part of its identity (a change to them redoes nothing): {', '.join(unknown[:20])}"
+        )
     version = materialized(project, want, extra=earlier)
     return MaterializeResult(
         data_version=version["data_version"],
@@ -173,6 +180,7 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
             **to_metadata(target.as_metadata()),
             "reasoning_format": reasoning,
             "slow_tokenizer": not tokenizer.is_fast,
+            "unknown_files": MetadataValue.json(unknown),
             "hidden_state_bytes_per_token": spec.hidden_bytes_per_token,
             "source": "built (demo)" if built else ("cached (demo)" if project.settings.is_demo else "configured"),
             "seconds": round(time.monotonic() - started, 2),
