@@ -27,7 +27,7 @@ from eagle3_assets.drafter.calibration import (
     measured_against,
 )
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
-from eagle3_assets.drafter.continuation import continuation_plan, model_loss_settings, read_release, trained_on
+from eagle3_assets.drafter.continuation import model_loss_settings, plan_continuation, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import family_of
@@ -77,7 +77,7 @@ def train_and_export(
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
     main = DistEnv.from_environ().is_main
-    plan = continuation_plan(*read_release(store, owner=main), now)
+    plan = plan_continuation(store, now, trained.root, rolling=settings.training.rolling, owner=main)
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
