@@ -57,7 +57,7 @@ VLLM_EXTRACTION = ("vllm.dtype", "vllm.extra_args")
 # counts, which the default margin keeps, and a drafter trained before continued from nothing.
 RECORDED_SINCE: dict[str, object] = {
     "vllm.dtype": "auto", "vllm.extra_args": [], "vllm.max_model_len": None, "vocab_map_keep_margin": 0.005,
-    "training.replay_rows": None, "training.continue_fraction": 0.25,
+    "training.replay_rows": None, "training.continue_fraction": 0.25, "evaluation.replace_release_for_target": None,
 }  # fmt: skip
 
 
@@ -122,16 +122,16 @@ def _hidden_states(s: Settings) -> tuple[str, ...]:
     return ("aux_layer_ids", "extraction.storage_dtype") + (VLLM_EXTRACTION if s.extraction.backend == "vllm" else ())
 
 
-def _drafter(_: Settings) -> tuple[str, ...]:
+# A drafter learns from the shards' features: every setting the shards are extracted with (`vllm.dtype`, a
+# quantization flag) is in its reads, so other features retrain it (issue 52, item 7), never only re-extract.
+def _drafter(s: Settings) -> tuple[str, ...]:
     learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
-    return ("aux_layer_ids", "extraction.storage_dtype", "shard_size") + tuple(f"training.{f}" for f in learnt)
+    return _hidden_states(s) + ("shard_size",) + tuple(f"training.{f}" for f in learnt)
 
 
-def _dflash_drafter(_: Settings) -> tuple[str, ...]:
+def _dflash_drafter(s: Settings) -> tuple[str, ...]:
     learnt = [f for f in TrainingSettings.model_fields if f not in (*TRAINING_HOW, *EAGLE3_ONLY)]
-    return ("aux_layer_ids", "extraction.storage_dtype", "shard_size", "dflash") + tuple(
-        f"training.{f}" for f in learnt
-    )
+    return _hidden_states(s) + ("shard_size", "dflash") + tuple(f"training.{f}" for f in learnt)
 
 
 def _eval(_: Settings) -> tuple[str, ...]:
@@ -160,7 +160,7 @@ ARTIFACTS: dict[str, Artifact] = {
             _responses,
             parents=("prompts", "target_model"),
             runs_with=(*SERVING, "generation.backend", "generation.batch_size", "generation.rows_per_part",
-                       "generation.max_error_rate"),
+                       "generation.max_error_rate", "generation.max_row_attempts"),
         ),  # fmt: skip
         Artifact(
             "tokenized",
@@ -206,7 +206,8 @@ ARTIFACTS: dict[str, Artifact] = {
         ),
         Artifact(
             "drafter_release",
-            lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters"),
+            lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters",
+                       "evaluation.replace_release_for_target"),
             parents=lambda s: tuple(eval_artifact(f) for f in s.drafters),
         ),
     )

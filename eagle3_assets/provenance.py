@@ -157,43 +157,84 @@ def write_record(store: ArtifactStore, record: Record, partition: str | None = N
 
 # --- the outside inputs -------------------------------------------------------------------------
 
-# Files of a model directory that determine nothing the target computes or how it tokenizes; every other file is
-# its content. Listing what is left out (not what is kept) makes a file of a new kind count by default: a new
-# tokenizer format (`tekken.json`, `*.tiktoken`), remote code, `additional_chat_templates/` were missed by a list
-# of what to keep (issue 44). A change to a file of unknown role costs a redo; a change missed costs a wrong release.
+# The files a model is made of: only these are the target's content (issue 52, item 5). A list of what to leave out
+# made every stray file a new target (`nohup.out`, `notes.txt`, `training_args.bin`, `config.json.bak`): every
+# response was generated again. The kinds issue 44 found missing from an earlier list of what to keep are kept: new
+# tokenizer formats (`tekken.json`, `*.tiktoken`, sentencepiece `*.model`), remote code (`*.py`), every chat template
+# (`*.jinja`, `additional_chat_templates/`). Any other file is named (`unknown_target_files`), never counted.
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+WEIGHT_PREFIXES = ("pytorch_model", "model", "consolidated", "adapter_model")  # `.bin`/`.pt`/`.pth` weights
+CONTENT_NAMES = frozenset({
+    "config.json", "params.json", "tokenizer.json", "tokenizer.model", "tekken.json", "tiktoken.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.json",
+})  # fmt: skip
+CONTENT_SUFFIXES = ("_config.json", ".index.json", ".tiktoken", ".model", ".jinja", ".py")
+CONTENT_DIRS = ("additional_chat_templates",)
+# Files known to be no part of the model: left out without a word.
 NOT_CONTENT_DIRS = ("original", "__pycache__")  # `original/`: Meta's consolidated copies, loaded by neither engine
 NOT_CONTENT_SUFFIXES = (".md", ".pyc", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf")
 NOT_CONTENT_PREFIXES = ("LICENSE", "NOTICE", "USE_POLICY")
+NOT_CONTENT_NAMES = ("demo_target.json",)  # what the demo's builder says it built with (`demo/target.py`)
 IDENTITY_PREFIX = "content-"  # a target's version: its content identity, never a digest of where it lies
 
 
-def _is_content(rel: str) -> bool:
+def _is_known_other(rel: str) -> bool:
     parts = rel.split("/")
     name = parts[-1]
     if any(p.startswith(".") for p in parts):  # .git/, .cache/ (huggingface_hub's local-dir metadata), .gitattributes
-        return False
+        return True
     if parts[0] in NOT_CONTENT_DIRS or "__pycache__" in parts:
+        return True
+    return (
+        name in NOT_CONTENT_NAMES
+        or name.lower().endswith(NOT_CONTENT_SUFFIXES)
+        or name.upper().startswith(NOT_CONTENT_PREFIXES)
+    )
+
+
+def _is_content(rel: str) -> bool:
+    if _is_known_other(rel):
         return False
-    return not (name.lower().endswith(NOT_CONTENT_SUFFIXES) or name.upper().startswith(NOT_CONTENT_PREFIXES))
+    name = rel.rsplit("/", 1)[-1]
+    if name in CONTENT_NAMES or name.endswith(CONTENT_SUFFIXES + WEIGHT_SUFFIXES):
+        return True
+    if name.endswith((".bin", ".pt", ".pth")) and name.startswith(WEIGHT_PREFIXES):
+        return True
+    return rel.split("/")[0] in CONTENT_DIRS
+
+
+def _listed(url: str) -> tuple[fsspec.AbstractFileSystem, str, dict[str, dict[str, Any] | None]]:
+    """Every file of the model directory at `url`, by its path inside it, with the store's info when it gave one."""
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    if isinstance(fs, LocalFileSystem):
+        # Walked by hand to follow symlinks: a Hugging Face snapshot is a directory of links into `blobs/`.
+        found: dict[str, dict[str, Any] | None] = {}
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+            dirnames.sort()
+            for name in filenames:
+                found[os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")] = None
+        return fs, root, found
+    listed = fs.find(root, detail=True)
+    return fs, root, {p[len(root) + 1 :]: info for p, info in listed.items() if p.startswith(root + "/")}
+
+
+def unknown_target_files(url: str) -> list[str]:
+    """The files of the target at `url` that are neither what a model is made of nor known to be no part of it: named
+    where the target is validated (`target_model`'s log and metadata), never part of its identity."""
+    try:
+        found = _listed(url)[2]
+    except OSError as e:
+        raise ProvenanceError(f"target model {url}: cannot be read: {e}") from None
+    return sorted(r for r in found if not _is_content(r) and not _is_known_other(r))
 
 
 def target_files(url: str, digests: FileDigests | None = None) -> dict[str, str]:
     """Each content file of the target model at `url` (local path or fsspec URL), by its path inside the model
     directory, with the sha256 of its whole bytes (`file_digests.py`: read once, then cached)."""
     digests = digests if digests is not None else DIGESTS
-    fs, root = fsspec.core.url_to_fs(url)
-    root = root.rstrip("/")
     try:
-        if isinstance(fs, LocalFileSystem):
-            # Walked by hand to follow symlinks: a Hugging Face snapshot is a directory of links into `blobs/`.
-            found: dict[str, dict[str, Any] | None] = {}
-            for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-                dirnames.sort()
-                for name in filenames:
-                    found[os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")] = None
-        else:
-            listed = fs.find(root, detail=True)
-            found = {p[len(root) + 1 :]: info for p, info in listed.items() if p.startswith(root + "/")}
+        fs, root, found = _listed(url)
         rels = sorted(r for r in found if _is_content(r))
         if not rels:
             raise ProvenanceError(f"target model {url}: no model files there")
@@ -223,7 +264,7 @@ def has_remote_code(url: str, files: Mapping[str, str]) -> bool:
 
 def target_identity(url: str, trust_remote_code: bool = False, *, digests: FileDigests | None = None) -> str:
     """The target model's content identity: a digest of the sha256 of each of its content files (`_is_content`:
-    weights of any format, config, generation config, tokenizer files, chat templates, remote code), by their paths
+    weights, configs, generation config, tokenizer files, chat templates, remote code; no other file), by their paths
     inside the model directory, never the directory's own path. The same bytes moved, linked, copied or named as
     `file://` keep it; any changed byte changes it. A 1 TB checkpoint is read whole once (`file_digests.py`; the
     cost per TB in BENCHMARKS.md, `digest`); after that a look stats each file.

@@ -12,7 +12,10 @@ Rows are generated in parts of `rows_per_part` prompts; each part is written
 atomically to `responses/parts/part-NNNNN.jsonl`, so a killed run keeps every
 finished part and the rerun generates only what is missing (and retries rows that
 failed). A row the engine failed (`retryable`) leaves the asset due (`ResponsesSummary.retry`, kept in its record),
-so the next materialization retries it; a row that cannot be generated as set (a prompt over `max_seq_len`, a
+so the next materialization retries it, up to `generation.max_row_attempts` sends to the engine (its record counts
+them, `attempts`): a row the engine keeps failing (a server context below the row, a request that always times out)
+is then given up, reported as not generated with its last error, and keeps nothing due, so `tokenized` and what
+follows go on without it. A row that cannot be generated as set (a prompt over `max_seq_len`, a
 template error) is said once and not retried until something changes. When all parts exist they are joined into `responses/responses.jsonl`.
 A part is trusted only if it parses, holds exactly the prompt ids it should, rendered with
 the template kwargs they are rendered with now, and was written in this format (parts of
@@ -103,6 +106,8 @@ class ResponsesSummary:
     first_errors: list[str]
     modes: dict[str, int]  # rows per set of chat-template kwargs ('{}' = the template's defaults)
     rows_to_retry: int = 0  # of the failed rows, those the engine failed: the next materialization retries them
+    rows_given_up: int = 0  # of the failed rows, those the engine failed `generation.max_row_attempts` times
+    given_up: list[str] = field(default_factory=list)  # the first of them, each with its last error
 
     def as_metadata(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,8 +185,11 @@ def render(prompt: Prompt, renderer: Renderer) -> list[int] | str:
     return ids
 
 
-def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: Generated, renderer: Renderer) -> dict[str, Any]:
-    """One row; a failed one says whether a retry may succeed (`retryable`: the engine failed it, not its prompt)."""
+def response_record(
+    row: int, prompt: Prompt, prompt_ids: list[int] | None, g: Generated, renderer: Renderer, attempts: int = 1
+) -> dict[str, Any]:
+    """One row; a failed one says whether a retry may succeed (`retryable`: the engine failed it, not its prompt) and
+    how many sends in a row the engine failed (`attempts`)."""
     messages = list(prompt.messages)
     reasoning_tokens = 0
     if g.error is None and prompt_ids is not None:
@@ -205,6 +213,8 @@ def response_record(row: int, prompt: Prompt, prompt_ids: list[int] | None, g: G
         },
         "error": g.error,
         **({"retryable": prompt_ids is not None} if g.error is not None else {}),
+        # Sends to the engine that failed in a row, under what makes the row now (`made_by`).
+        **({"attempts": attempts} if g.error is not None and prompt_ids is not None else {}),
         **prompt.extra,
         "made_by": renderer.stamp(prompt),
     }
@@ -226,20 +236,31 @@ def _read_part(store: ArtifactStore, index: int, chunk: list[Prompt], renderer: 
     if not all(all(f in r for f in TOKEN_FIELDS) for r in records):
         return None
     # A row made by another target, other settings or another prompt under the same id is redone.
+    # Attempts count under what makes the row now: another stamp starts them over.
     kept = [
-        r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE if "made_by" in r else UNSTAMPED}
+        r if r.get("made_by") == renderer.stamp(p) else {**r, "error": STALE if "made_by" in r else UNSTAMPED, "attempts": 0}
         for r, p in zip(records, chunk)
     ]
     return kept + [{"error": "a prompt appended since this part was written"} for _ in chunk[len(records) :]]
 
 
-def rows_to_generate(store: ArtifactStore, prompts: list[Prompt], stamps: RowStamps, rows_per_part: int) -> int:
+def given_up(record: Mapping[str, Any], max_row_attempts: int) -> bool:
+    """The engine failed this row `max_row_attempts` sends in a row: it is not sent again while what makes it stays."""
+    return bool(record.get("error")) and record.get("attempts", 0) >= max_row_attempts
+
+
+def rows_to_generate(
+    store: ArtifactStore, prompts: list[Prompt], stamps: RowStamps, rows_per_part: int, max_row_attempts: int
+) -> int:
     """How many of `prompts` the next `responses` generates (`generate_responses`' own rule, read only): every row its
-    part does not hold made as `stamps` would stamp it now, and every failed row."""
+    part does not hold made as `stamps` would stamp it now, and every failed row not given up."""
     size = rows_per_part
     parts = [_read_part(store, i, prompts[i * size : (i + 1) * size], stamps) for i in range((len(prompts) + size - 1) // size)]
     chunks = [prompts[i * size : (i + 1) * size] for i in range(len(parts))]
-    return sum(len(c) if p is None else sum(1 for r in p if r.get("error")) for p, c in zip(parts, chunks, strict=True))
+    return sum(
+        len(c) if p is None else sum(1 for r in p if r.get("error") and not given_up(r, max_row_attempts))
+        for p, c in zip(parts, chunks, strict=True)
+    )
 
 
 def generate_responses(
@@ -268,7 +289,12 @@ def generate_responses(
         first = index * size
         chunk = prompts[first : first + size]
         records = parts[index]
-        redo = list(range(len(chunk))) if records is None else [i for i, r in enumerate(records) if r.get("error")]
+        cap = settings.max_row_attempts
+        redo = (
+            list(range(len(chunk)))
+            if records is None
+            else [i for i, r in enumerate(records) if r.get("error") and not given_up(r, cap)]
+        )
         if records is not None:
             reused += len(chunk) - len(redo)
         if redo:
@@ -279,7 +305,8 @@ def generate_responses(
             for i in redo:
                 ids = rendered[i]
                 g = outputs[i] if isinstance(ids, list) else Generated.failed(str(ids))
-                records[i] = response_record(first + i, chunk[i], ids if isinstance(ids, list) else None, g, renderer)
+                attempts = records[i].get("attempts", 0) + 1
+                records[i] = response_record(first + i, chunk[i], ids if isinstance(ids, list) else None, g, renderer, attempts)
                 new_tokens += len(g.completion_token_ids)
             generated += len(redo)
             store.write_text(part_path(index), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -312,6 +339,7 @@ def _join_parts(
     lines: list[str] = []
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
     errors: list[str] = []
+    gave_up: list[str] = []
     finish_length = retry = 0
     modes: Counter[str] = Counter()
     for index in range(num_parts):
@@ -319,7 +347,13 @@ def _join_parts(
             record = json.loads(line)
             for k in totals:
                 totals[k] += record["usage"][k]
-            if record.get("error"):
+            if given_up(record, settings.max_row_attempts):
+                gave_up.append(
+                    f"row {record['row']} (id {record['id']}): not generated: the engine failed it {record['attempts']} "
+                    f"times (generation.max_row_attempts {settings.max_row_attempts}), last: {record['error']}"
+                )
+                errors.append(gave_up[-1])
+            elif record.get("error"):
                 errors.append(f"row {record['row']} (id {record['id']}): {record['error']}")
                 retry += bool(record.get("retryable"))
             finish_length += record["finish_reason"] == "length"
@@ -337,6 +371,8 @@ def _join_parts(
         first_errors=errors[:5],
         modes=dict(modes),
         rows_to_retry=retry,
+        rows_given_up=len(gave_up),
+        given_up=gave_up[:5],
         **totals,
     )
     rate = len(errors) / max(1, len(lines))

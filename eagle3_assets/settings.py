@@ -49,6 +49,12 @@ class GenerationSettings(_Section):
     batch_size: int = Field(32, ge=1, description="prompts per generate() call")
     rows_per_part: int = Field(256, ge=1, description="rows per atomically written part file: the resume granularity")
     max_error_rate: float = Field(0.05, ge=0.0, le=1.0, description="fail the asset when more rows than this fail")
+    max_row_attempts: int = Field(
+        3,
+        ge=1,
+        description="materializations that send a row to the engine before a row it keeps failing is given up: "
+        "reported as not generated, with its last error, and no longer keeping responses due",
+    )
     seed: int = 0
     reasoning: Literal["auto", "think", "harmony", "none"] = Field(
         "auto",
@@ -425,6 +431,12 @@ class EvaluationSettings(_Section):
         ge=1.0,
         description="`drafter_release` never releases an export serving below this mean acceptance length at any k: "
         "at 1.0 no draft is ever accepted (a zeroed or misloaded head)",
+    )
+    replace_release_for_target: str | None = Field(
+        None,
+        description="a person's approval that an export of this target_model version (as drafter_release names it) "
+        "replaces a drafter released for another target; unset, that release stays and the release check fails "
+        "naming this setting with the version to approve",
     )
     context_bins: list[int] = Field(
         default_factory=lambda: [0, 1024, 4096, 16384, 32768, 65536],

@@ -5,6 +5,7 @@ trains in torchrun ranks and drafter_eval serves in vLLM, beyond a recording set
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -186,9 +187,47 @@ def test_vllm_settings_that_change_content_redo_what_a_vllm_engine_made_and_only
     # Generated and extracted by HF, nothing depends on them; drafter_eval starts its engines with settings of its own.
     assert made_from("responses", hf_f32, store) == made_from("responses", base, store)
     assert made_from("hidden_states", hf_f32, store, "rows_0-20") == made_from("hidden_states", base, store, "rows_0-20")
-    for asset in ("prompts", "target_model", "tokenized", "token_freq", "vocab_map", "drafter", "drafter_eval",
-                  "drafter_release"):  # fmt: skip
+    for asset in ("prompts", "target_model", "tokenized", "token_freq", "vocab_map", "drafter_eval", "drafter_release"):
         assert made_from(asset, fp8, store) == made_from(asset, base, store), asset
     # The redo names the setting.
     before, after = expected("responses", Inputs(engine, store)), expected("responses", Inputs(fp8, store))
     assert before.changes(after) == ['setting vllm.extra_args: (unset) -> ["--quantization", "fp8"]']
+
+
+def test_extraction_numerics_retrain_the_drafters_resume_no_checkpoint_and_continue_no_release(tmp_path):
+    """Issue 52, item 7: `vllm.dtype` and `vllm.extra_args` re-extracted every shard, but the drafters did not read
+    them: `--from drafter` resumed the finished checkpoint and a rolling run continued on mixed features. Every
+    setting in the shards' reads is now in each drafter's provenance, its run fingerprint and what a continuation
+    must share with the release; the generation-only context, and the vLLM settings under HF extraction, are not."""
+    from eagle3_assets.drafter.continuation import model_loss_settings
+    from eagle3_assets.drafter.run import run_inputs
+
+    store = ArtifactStore(tmp_path)
+    both = {"drafters": ["eagle3", "dflash"]}
+    engine = {"extraction": tiny_settings().extraction.model_copy(update={"backend": "vllm"}), **both}
+    base = tiny_settings(**engine)
+    changed = {
+        "vllm.extra_args": tiny_settings(**engine, vllm=VllmSettings(extra_args=["--quantization", "fp8"])),
+        "vllm.dtype": tiny_settings(**engine, vllm=VllmSettings(dtype="float32")),
+    }
+    same = [tiny_settings(**both), tiny_settings(**engine, vllm=VllmSettings(max_model_len=4096)),
+            tiny_settings(**both, vllm=VllmSettings(dtype="float32", extra_args=["--quantization", "fp8"]))]  # fmt: skip
+
+    def figures(settings) -> tuple[str, str, dict[str, str], dict[str, Any]]:
+        want = expected("drafter", Inputs(settings, store))
+        return (made_from("drafter", settings, store), made_from("drafter_dflash", settings, store),
+                run_inputs(settings, want), model_loss_settings(settings, "eagle3", {}))  # fmt: skip
+
+    before = figures(base)
+    for name, settings in changed.items():
+        after = figures(settings)
+        assert [a != b for a, b in zip(before, after, strict=True)] == [True] * 4, name
+        assert expected("drafter", Inputs(base, store)).changes(expected("drafter", Inputs(settings, store))) == [
+            f"setting {name}: (unset) -> {json.dumps(getattr(settings.vllm, name.split('.')[1]))}"
+        ]
+        assert json.loads(after[2][name]) == getattr(settings.vllm, name.split(".")[1])
+    assert all(figures(settings) == before for settings in same)
+    # At their defaults, a checkpoint and a release made before stay resumable and continuable.
+    assert sorted(before[2]) == ["aux_layer_ids", "extraction.storage_dtype", "shard_size", "target_model", "tokenized",
+                                 "vocab_map"]  # fmt: skip
+    assert sorted(before[3]) == ["aux_layer_ids", "extraction.storage_dtype", "training"]

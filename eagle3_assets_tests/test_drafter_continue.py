@@ -3,6 +3,7 @@ continuation at the smallest size, through `train_and_export` and a real `promot
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -65,6 +66,49 @@ def test_an_append_continues_and_every_other_difference_trains_from_scratch_nami
     }  # fmt: skip
     for reason, (release, released_on, current) in cases.items():
         assert continuation_plan(release, released_on, current) == ContinuationPlan(False, reason)
+
+
+def test_in_rolling_mode_the_family_not_released_continues_its_own_export_and_extracts_nothing_again(tmp_path):
+    """Issue 52, item 6: with two families in rolling mode, after an append the family that did not win the release
+    trained from scratch: it cleared its window records, every released shard was extracted again, and the window
+    (it admits a shard once every family consumed those before it) kept the continuing family's new shard out until
+    that family failed after training.shard_wait_s. It now continues its own last export on the new shards alone."""
+    from eagle3_assets.drafter.continuation import plan_continuation
+    from eagle3_assets.drafter.release import RELEASE_RECORD
+    from eagle3_assets.shard_window import Window, consumed_path, record_consumed
+
+    store = ArtifactStore(tmp_path / "store")
+    dflash_on = {**RELEASED_ON, "family": "dflash", "settings": {**SETTINGS, "family": {"dflash": {"block_size": 8}}}}
+    store.write_json(RELEASE_RECORD, RELEASE)
+    store.write_json(f"{RELEASE_DIR}/{TRAINED_ON_FILE}", RELEASED_ON)
+    dflash_export = f"families/dflash/{EXPORT_DIR}"
+    store.write_json(f"{dflash_export}/{TRAINED_ON_FILE}", dflash_on)
+    store.write_bytes(f"{dflash_export}/model.safetensors", b"dflash weights")
+    keys = [*RELEASED_ON["shards"], "rows_32-48"]
+    for family in ("eagle3", "dflash"):  # the pass before the append: both consumed (and released) the old shards
+        for key in keys[:2]:
+            record_consumed(store, key, step=1, checkpoint="checkpoints/step_1", family=family)
+
+    eagle3 = plan_continuation(store, now(), "", rolling=True)
+    assert (eagle3.continues, eagle3.base, eagle3.old_shards, eagle3.new_shards) == (
+        True, RELEASE_DIR, keys[:2], keys[2:]
+    )  # fmt: skip
+    dflash_now = {**dflash_on, "shards": now()["shards"]}
+    dflash = plan_continuation(store, dflash_now, "families/dflash", rolling=True)
+    assert dflash == ContinuationPlan(
+        True, "", hashlib.sha256(b"dflash weights").hexdigest(), keys[:2], keys[2:], base=dflash_export
+    )
+    # Neither pass trains (nor clears the records of) an old shard: the window admits the new shard for both.
+    assert all(store.exists(consumed_path(k, f)) for k in keys[:2] for f in ("eagle3", "dflash"))
+    assert Window.read(store, keys, 2, ("eagle3", "dflash")).admitted() == keys[2:]
+    # Offline, the shards are all on disk, and any other difference is as before: from scratch, naming the release.
+    assert plan_continuation(store, dflash_now, "families/dflash", rolling=False) == ContinuationPlan(
+        False, "family: release 'eagle3', now 'dflash'"
+    )
+    other = {**dflash_now, "settings": {**SETTINGS, "family": {"dflash": {"block_size": 4}}}}
+    assert plan_continuation(store, other, "families/dflash", rolling=True) == ContinuationPlan(
+        False, "family: release 'eagle3', now 'dflash'"
+    )
 
 
 @pytest.mark.slow  # trains three tiny drafters

@@ -290,11 +290,26 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
         assert not result.success and not check.passed
         assert check.description.endswith(f"never released; {other}: nothing is released for this target")
         assert store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
-        # ... and one that serves, even below the old target's figures, is its first release and replaces it.
+        # ... and one that serves is its first release, but the old release is dropped only by a person's approval
+        # (issue 52, item 5): a target changes by accident too. The refusal names the setting and the version ...
         second = write_export(store, 2.0)
         result, meta, check = release(project, instance, report_json(1.5, 1.6, export_sha256=second))
-        assert result.success and check.passed
-        assert meta["reason"].value == f"first release: k=3 1.500, k=7 1.600; {other}: replaced"
+        assert not result.success and not check.passed and meta["promoted"].value is False
+        assert check.description == (
+            f"first release: k=3 1.500, k=7 1.600; {other}: kept: a release for another target is replaced only by a "
+            "person's approval; set evaluation.replace_release_for_target: target-b to release this export in its place"
+        )
+        assert store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
+        # ... an approval of another version approves nothing; the one named replaces it, even below its figures.
+        for approved, replaced in (("target-c", False), ("target-b", True)):
+            evaluation = EvaluationSettings(replace_release_for_target=approved)
+            result, meta, check = release(
+                Project(tiny_settings(evaluation=evaluation), store), instance, report_json(1.5, 1.6, export_sha256=second)
+            )
+            assert result.success is replaced and check.passed is replaced
+        assert meta["reason"].value == (
+            f"first release: k=3 1.500, k=7 1.600; {other}: replaced, as approved (evaluation.replace_release_for_target)"
+        )
         assert "released_k3" not in meta
         record = store.read_json(f"{RELEASE_DIR}/release.json")
         assert (record["target"], record["acceptance"], record["replaced"]) == ("target-b", {"k3": 1.5, "k7": 1.6}, None)

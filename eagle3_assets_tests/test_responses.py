@@ -8,7 +8,15 @@ from eagle3_assets.generation.hf import HFGenerator
 from eagle3_assets.prompts import Prompt
 from eagle3_assets.provenance import RETRY, Provenance, Record, current_problem, write_record
 from eagle3_assets.reasoning import detect_format
-from eagle3_assets.responses import RESPONSES_FILE, Renderer, ResponsesError, generate_responses, part_path, read_responses
+from eagle3_assets.responses import (
+    RESPONSES_FILE,
+    Renderer,
+    ResponsesError,
+    generate_responses,
+    part_path,
+    read_responses,
+    rows_to_generate,
+)
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
@@ -163,6 +171,66 @@ def test_rows_the_engine_failed_keep_the_asset_due_and_are_retried_in_place(tmp_
     assert [r["id"] for r in records] == ["p0", "p1", "p2", "long"] and len(records[0]["completion_token_ids"]) == 6
     write_record(store, Record(want, "v2"))
     assert current_problem(store, want) is None
+
+
+class FailsRow:
+    """A generator whose engine fails every send of one prompt (a server whose context is below the row), and keeps
+    count of the prompts it was sent."""
+
+    def __init__(self, inner, bad: list[int]):
+        self.inner, self.name, self.stop_token_ids, self.bad, self.sent = inner, inner.name, inner.stop_token_ids, bad, 0
+
+    def generate(self, prompts):
+        self.sent += len(prompts)
+        out = self.inner.generate(prompts)
+        return [Generated.failed("HTTP 400: this model's maximum context length is 16") if p == self.bad else g
+                for p, g in zip(prompts, out, strict=True)]  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_row_the_engine_keeps_failing_is_given_up_after_max_row_attempts_and_keeps_nothing_due(
+    tmp_path, generator, renderer
+):
+    """Issue 52, item 4: every engine error was retryable and nothing counted the attempts, so one row the engine
+    always fails kept `responses` due, and everything after it waiting, forever. After `generation.max_row_attempts`
+    sends it is reported as not generated, with its last error; nothing stays due for it and it is not sent again,
+    until the cap is raised or what makes the row changes."""
+    store = ArtifactStore(tmp_path / "root")
+    prompts = make_prompts(3)
+    engine = FailsRow(generator, generation_prompt_ids(renderer.tokenizer, prompts[1].messages))
+    capped = SETTINGS.model_copy(update={"max_row_attempts": 2})
+    want = Provenance("responses", {}, {}, 1)
+
+    first = generate_responses(store, prompts, engine, renderer, capped)
+    assert (first.rows_failed, first.rows_to_retry, first.rows_given_up, first.given_up) == (1, 1, 0, [])
+    assert first.retry == (
+        "1 row(s) failed in the engine and are retried on the next materialization (first: row 1 (id p1): HTTP 400: "
+        "this model's maximum context length is 16)"
+    )
+    second = generate_responses(store, prompts, engine, renderer, capped)
+    given_up = (
+        "row 1 (id p1): not generated: the engine failed it 2 times (generation.max_row_attempts 2), last: HTTP 400: "
+        "this model's maximum context length is 16"
+    )
+    assert (second.rows_failed, second.rows_to_retry, second.rows_given_up, second.retry) == (1, 0, 1, None)
+    assert second.given_up == second.first_errors == [given_up]
+    write_record(store, Record(want, "v2"))  # as `responses` records it: no retry kept
+    assert current_problem(store, want) is None  # `tokenized` and what follows go on
+    records = read_responses(store)
+    assert [(r["error"], r.get("attempts")) for r in records] == [
+        (None, None), ("HTTP 400: this model's maximum context length is 16", 2), (None, None)
+    ]  # fmt: skip
+
+    sent = engine.sent
+    third = generate_responses(store, prompts, engine, renderer, capped)
+    assert (engine.sent, third.rows_generated, third.rows_given_up, third.retry) == (sent, 0, 1, None)
+    assert rows_to_generate(store, prompts, renderer.stamps, 10, max_row_attempts=2) == 0  # `--plan` agrees
+    # A raised cap sends it again; so does a change of what makes the row (another stamp starts the count over).
+    assert rows_to_generate(store, prompts, renderer.stamps, 10, max_row_attempts=3) == 1
+    fourth = generate_responses(store, prompts, engine, renderer, SETTINGS.model_copy(update={"max_row_attempts": 3}))
+    assert (engine.sent, fourth.rows_given_up, read_responses(store)[1]["attempts"]) == (sent + 1, 1, 3)
 
 
 def test_parts_rendered_with_other_template_kwargs_are_regenerated_and_an_unread_kwarg_is_refused(

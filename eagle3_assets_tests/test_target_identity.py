@@ -108,6 +108,56 @@ def test_an_edited_remote_code_tokenizer_or_template_file_changes_the_identity(t
     assert target_identity(str(model)) != before
 
 
+STRAYS = {"nohup.out": b"INFO served\n", "notes.txt": b"try lr 3e-4", "training_args.bin": b"\x80\x04pickle",
+          "config.json.bak": b"{}", "trainer_state.json": b"{}", "runs/events.out.tfevents.1": b"tb"}  # fmt: skip
+
+
+def test_a_stray_file_in_the_model_directory_is_named_and_is_no_new_target(tmp_path: Path):
+    """Issue 52, item 5: every file not known to be docs counted, so `nohup.out` (from `nohup vllm serve` started in
+    the model directory), notes, a trainer's `training_args.bin` or a `config.json.bak` made a new target: every
+    response was generated again and the release dropped. Only what a model is made of counts; the rest is named."""
+    from eagle3_assets.provenance import target_files, unknown_target_files
+
+    model = make_model(tmp_path / "model", **{"generation_config.json": b"{}", "chat_template.jinja": b"{{ x }}",
+                                              "model.safetensors.index.json": b"{}", "tokenizer_config.json": b"{}",
+                                              "pytorch_model-00001-of-00002.bin": b"w", "spiece.model": b"sp"})  # fmt: skip
+    identity = target_identity(str(model))
+    assert unknown_target_files(str(model)) == []
+    for rel, body in STRAYS.items():
+        (model / rel).parent.mkdir(parents=True, exist_ok=True)
+        (model / rel).write_bytes(body)
+    (model / "README.md").write_text("docs: known, not named")
+    assert target_identity(str(model)) == identity
+    assert unknown_target_files(str(model)) == sorted(STRAYS)
+    assert sorted(target_files(str(model))) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "model.safetensors.index.json", "pytorch_model-00001-of-00002.bin", "spiece.model", "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # fmt: skip
+    (model / "nohup.out").write_bytes(b"INFO served again\n")  # a server writing its log there, every tick
+    assert target_identity(str(model)) == identity
+    edit_in_place(model / "pytorch_model-00001-of-00002.bin", 0)  # what the model is made of still counts
+    assert target_identity(str(model)) != identity
+
+
+def test_the_target_model_asset_names_the_files_it_does_not_count(tmp_path: Path, tiny_target_dir: Path):
+    from dagster import DagsterInstance, materialize
+
+    from eagle3_assets.defs.data.assets import target_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(target_model=str(model)), store)
+    with DagsterInstance.ephemeral() as instance:
+        before = materialize([target_model], resources={"project": project}, instance=instance)
+        (model / "nohup.out").write_text("INFO served\n")
+        after = materialize([target_model], resources={"project": project}, instance=instance)
+    made = [r.asset_materializations_for_node("target_model")[0] for r in (before, after)]
+    assert made[0].tags["dagster/data_version"] == made[1].tags["dagster/data_version"]
+    assert [m.metadata["unknown_files"].value for m in made] == [[], ["nohup.out"]]
+
+
 def version_of(settings_target: str, store: ArtifactStore, trust_remote_code: bool = False) -> str:
     """The data version the `target_model` asset records for a target named so (the version its children and the
     release record)."""

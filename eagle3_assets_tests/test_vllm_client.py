@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -246,6 +246,57 @@ def test_an_http_error_keeps_the_servers_message():
     assert (e.value.status, e.value.message, str(e.value)) == (
         400, "Token id 999 is out of vocabulary", f"{url}: HTTP 400: Token id 999 is out of vocabulary",
     )  # fmt: skip
+
+
+def test_a_request_a_healthy_server_never_answers_fails_its_row_alone(model_dir: Path):
+    """Issue 52, item 4: a request that always times out failed the whole `responses` run, every time. On a server
+    that still answers /health, it fails its own row (retried up to `generation.max_row_attempts` times); the
+    other rows are generated."""
+    from eagle3_assets.generation.vllm import VLLMGenerator
+
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            if self.path == "/health":
+                self.answer({})
+            else:
+                self.answer({"data": [{"id": "target", "max_model_len": 64}]})
+
+        def do_POST(self):  # noqa: N802
+            prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+            if prompt == [7, 7]:
+                release.wait()  # never within the request's timeout
+                return
+            self.answer({"choices": [{"finish_reason": "stop", "token_ids": [5]}]})
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    target = TargetModel.read(model_dir, aux_layer_ids=[1, 2, 3])
+    try:
+        gen = VLLMGenerator(target, GenerationSettings(backend="vllm"), VllmSettings(), server=VllmServer(url),
+                            request_timeout_s=0.5)  # fmt: skip
+        out = gen.generate([[1, 2], [7, 7], [3]])
+    finally:
+        release.set()
+        httpd.shutdown()
+        httpd.server_close()
+    assert [(g.completion_token_ids, g.finish_reason) for g in out] == [([5], "stop"), ([], "error"), ([5], "stop")]
+    assert out[1].error is not None and out[1].error.startswith(
+        f"no answer from the vLLM server at {url}, which is healthy, within the request timeout of 0.5 s "
+        f"({url}/v1/completions: no answer ("
+    )
 
 
 def test_a_reused_server_is_never_stopped():

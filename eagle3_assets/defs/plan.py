@@ -266,7 +266,9 @@ class Planner:
             made = self.staleness.expected("target_model")  # the version it will get (`defs/provenance.materialized`)
             target = data_version(made) or made.made_from
         stamps = RowStamps(settings.generation.chat_template_kwargs, made_by(want.settings, target, want.code))
-        rows = rows_to_generate(self.project.store, prompts, stamps, settings.generation.rows_per_part)
+        rows = rows_to_generate(
+            self.project.store, prompts, stamps, settings.generation.rows_per_part, settings.generation.max_row_attempts
+        )
         rate = self.past.rate(AssetKey("responses"), "seconds", "rows_generated", "row")
         seconds, basis = _timed(rate, rows, "generated before")
         return Cost(rows=rows, seconds=seconds, basis=f"of {len(prompts):,} prompts; {basis}")

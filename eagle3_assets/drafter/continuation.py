@@ -8,17 +8,23 @@ trains on the new rows plus a replay sample of old ones (`sources.continued_data
 of a from-scratch run's steps; in rolling mode, one pass over the new shards with rows replayed from the reservoir the
 release's run kept as it released its shards (`sources.rolling_data`, `rolling.REPLAY_DIR`). Anything else trains from
 scratch, naming the first difference.
+
+With several families in rolling mode, the release is one family's; a family that did not win it continues its own
+last export instead (`plan_continuation`), when that differs from now only by added shards: trained from scratch it
+would clear its window records, every released shard would be extracted again, and the window, which admits shards
+once every family consumed those before them, would keep the continuing family's new shard out (issue 52, item 6).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from eagle3_assets.drafter.export import TRAINED_ON_FILE
-from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
+from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.provenance import settings_read
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -37,8 +43,9 @@ def model_loss_settings(settings: Settings, family: str, family_fingerprint: Map
     return {
         **({"family": dict(family_fingerprint)} if family_fingerprint else {}),
         "training": {f: getattr(settings.training, f) for f in fields},
-        "aux_layer_ids": settings.aux_layer_ids,
-        "extraction.storage_dtype": settings.extraction.storage_dtype,
+        # Every setting the shards are extracted with (`vllm.dtype` and `vllm.extra_args` when vLLM extracts, left
+        # out at their defaults as in provenance): a release is never continued on features extracted otherwise.
+        **settings_read("hidden_states", settings),
     }
 
 
@@ -64,6 +71,7 @@ class ContinuationPlan:
     release_sha256: str = ""
     old_shards: list[str] = field(default_factory=list)  # the release's, in its order
     new_shards: list[str] = field(default_factory=list)
+    base: str = RELEASE_DIR  # the weights it continues (store-relative): the release, or the family's own export
 
 
 def _differences(released: Any, now: Any, prefix: str) -> list[str]:
@@ -128,3 +136,35 @@ def read_release(store: ArtifactStore, *, owner: bool = True) -> tuple[dict[str,
         return None, None
     rel = f"{RELEASE_DIR}/{TRAINED_ON_FILE}"
     return store.read_json(RELEASE_RECORD), store.read_json(rel) if store.exists(rel) else None
+
+
+def read_own_export(
+    store: ArtifactStore, root: str, *, owner: bool = True
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A family's last export as `read_release` gives the release: ({"export_sha256": its weights' sha256}, its
+    trained_on.json), each None when absent; `root` is the family's directory (`Family.root`)."""
+    out = store.child(root)
+    if owner:
+        out.settle(EXPORT_DIR)
+    else:
+        out.wait_settled(EXPORT_DIR)
+    rel = f"{EXPORT_DIR}/{TRAINED_ON_FILE}"
+    if not out.exists(rel) or not out.exists(f"{EXPORT_DIR}/model.safetensors"):
+        return None, None
+    return {"export_sha256": export_digest(out)}, out.read_json(rel)
+
+
+def plan_continuation(
+    store: ArtifactStore, now: Mapping[str, Any], root: str, *, rolling: bool, owner: bool = True
+) -> ContinuationPlan:
+    """`continuation_plan` against the release; in rolling mode, when the release is another family's, against this
+    family's own last export (`root`, its directory) if that one continues (module docstring). Offline, its shards are
+    all still on disk: a from-scratch run extracts nothing again."""
+    release, released_on = read_release(store, owner=owner)
+    plan = continuation_plan(release, released_on, now)
+    if plan.continues or not rolling or released_on is None or released_on.get("family") == now["family"]:
+        return plan
+    own = continuation_plan(*read_own_export(store, root, owner=owner), now)
+    if not own.continues:
+        return plan
+    return replace(own, base=f"{root}/{EXPORT_DIR}".lstrip("/"))

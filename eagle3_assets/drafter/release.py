@@ -14,7 +14,8 @@ Otherwise the released drafter stays and the decision's reason names both figure
 
 A release belongs to the target it was released for (`release.json` keeps the version of the store's
 `target_model`, docs/DESIGN.md §9). A drafter released for another target is no baseline: it is not served
-beside the new export, and the new export is judged as a first release, which replaces it.
+beside the new export, and the new export is judged as a first release, which replaces it only once a person
+approved that for this target (`evaluation.replace_release_for_target`); until then the release stays.
 """
 
 from __future__ import annotations
@@ -149,10 +150,12 @@ def decide(
     min_acceptance: float,
     source: ArtifactStore | None = None,
     min_prompts_per_bin: int = 5,
+    approved_target: str | None = None,
 ) -> Decision:
     """`release_decision` on the report of the export now in `source` (a family's directory, `family.family_root`;
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
-    release, which replaces a release of another target, saying so)."""
+    release, which replaces a release of another target only when a person approved it for `target`,
+    `evaluation.replace_release_for_target`, saying so)."""
     source = source or store
     source.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
     store.settle(RELEASE_DIR)
@@ -170,8 +173,17 @@ def decide(
         min_prompts_per_bin,
     )
     if other:
-        outcome = "replaced" if decision.promote else "nothing is released for this target"
-        return Decision(decision.promote, f"{decision.reason}; {other}: {outcome}", decision.candidate, None)
+        # Dropping a release cannot be undone, and a target changes by accident too (issue 52, item 5): a person says.
+        approved = approved_target == target
+        outcome = "nothing is released for this target"
+        if decision.promote:
+            outcome = (
+                "replaced, as approved (evaluation.replace_release_for_target)"
+                if approved
+                else "kept: a release for another target is replaced only by a person's approval; set "
+                f"evaluation.replace_release_for_target: {target} to release this export in its place"
+            )
+        return Decision(decision.promote and approved, f"{decision.reason}; {other}: {outcome}", decision.candidate, None)
     return decision
 
 

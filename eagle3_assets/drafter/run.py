@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3_assets.artifacts import drafter_artifact
+from eagle3_assets.artifacts import ARTIFACTS, drafter_artifact
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.calibration import (
     EstimatePoint,
@@ -27,7 +27,7 @@ from eagle3_assets.drafter.calibration import (
     measured_against,
 )
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
-from eagle3_assets.drafter.continuation import continuation_plan, model_loss_settings, read_release, trained_on
+from eagle3_assets.drafter.continuation import model_loss_settings, plan_continuation, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import family_of
@@ -35,7 +35,7 @@ from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, continued_line, train_drafter
 from eagle3_assets.drafter.vllm_eval import engine_version
-from eagle3_assets.provenance import Inputs, expected
+from eagle3_assets.provenance import Inputs, Provenance, expected
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -68,9 +68,7 @@ def train_and_export(
     # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
     versions = Inputs(settings, store)
     want = expected(drafter_artifact(family), versions)
-    # The data's versions and the extraction settings the shards were made with: none is in the run's settings.
-    extracted = {k: json.dumps(want.settings[k]) for k in ("aux_layer_ids", "extraction.storage_dtype", "shard_size")}
-    inputs = {**want.inputs, **extracted}
+    inputs = run_inputs(settings, want)
     trained = family_of(family, settings, target)
     # What this run trains on, against what the release was trained on: continue it, or from scratch and why.
     now = trained_on(
@@ -79,7 +77,7 @@ def train_and_export(
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
     main = DistEnv.from_environ().is_main
-    plan = continuation_plan(*read_release(store, owner=main), now)
+    plan = plan_continuation(store, now, trained.root, rolling=settings.training.rolling, owner=main)
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
@@ -107,6 +105,14 @@ def train_and_export(
         url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
+
+
+def run_inputs(settings: Settings, want: Provenance) -> dict[str, str]:
+    """What a checkpoint's data is, for its run fingerprint: the inputs' versions and every setting the shards were
+    extracted with (their reads, their size), none of which is in the training settings. A checkpoint trained on
+    features extracted otherwise (another `vllm.dtype`, a quantization flag) is never resumed (issue 52, item 7)."""
+    extraction = (*ARTIFACTS["hidden_states"].reads(settings), "shard_size")
+    return {**want.inputs, **{k: json.dumps(v) for k, v in want.settings.items() if k in extraction}}
 
 
 def export_choice(

@@ -56,6 +56,7 @@ class ContinuedData:
     steps: int  # training.continue_fraction of `scratch_steps`; rolling: one pass over the new and replayed rows
     scratch_steps: int  # the steps a from-scratch run (rolling: pass) on all rows would take
     release_sha256: str = ""  # the released export it started from (`model.safetensors`)
+    base: str = "the release"  # what it started from: the release, or the family's own export (`continuation.py`)
 
 
 def replay_sample(old: Sequence[SampleRef], n: int, seed: int) -> list[SampleRef]:

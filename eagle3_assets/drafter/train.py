@@ -379,10 +379,14 @@ class _Run:
         )  # fmt: skip
 
 
+def _base(plan: ContinuationPlan) -> str:
+    return "the release" if plan.base == RELEASE_DIR else f"its own export ({plan.base}; the release is another family's)"
+
+
 def continued_line(c: ContinuedData) -> str:
     """How a continuation is described in the log and the drafter's materialization."""
     return (
-        f"continued from the release ({c.release_sha256[:12]}) with {c.new_rows} new rows and {c.replayed} replayed, "
+        f"continued from {c.base} ({c.release_sha256[:12]}) with {c.new_rows} new rows and {c.replayed} replayed, "
         f"{c.steps} steps"
     )
 
@@ -425,7 +429,7 @@ def _prepare(
             after=continuation.old_shards if continuation else (),
         )  # fmt: skip
         if continuation is not None:
-            continued = replace(continued, release_sha256=continuation.release_sha256)
+            continued = replace(continued, release_sha256=continuation.release_sha256, base=_base(continuation))
             shard_keys = [*continuation.old_shards, *continuation.new_shards]
             settings = settings.model_copy(
                 update={"warmup_steps": min(settings.warmup_steps, max(1, continued.steps // 20))}
@@ -434,7 +438,7 @@ def _prepare(
         fmt, loader, held, continued = continued_data(
             store, continuation.old_shards, continuation.new_shards, settings, env, data_workers
         )
-        continued = replace(continued, release_sha256=continuation.release_sha256)
+        continued = replace(continued, release_sha256=continuation.release_sha256, base=_base(continuation))
         shard_keys = [*continuation.old_shards, *continuation.new_shards]
         # Its own schedule, the rest of the recipe as set: a share of a from-scratch run's steps, a short warmup
         # (the weights are trained already; a full one would spend the budget warming up).
@@ -446,7 +450,7 @@ def _prepare(
     weights = load_target_weights(target)
     model = family.build(target, weights, vmap, fmt.aux_layer_ids, settings.seed, intermediate_size).to(device)
     if continuation is not None:
-        family.warm_start(model, store, RELEASE_DIR)  # the optimizer stays fresh
+        family.warm_start(model, store, continuation.base)  # the optimizer stays fresh
     head = TargetHead.from_weights(weights).to(device)
     total = settings.steps or loader.total_steps(settings.epochs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

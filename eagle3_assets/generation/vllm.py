@@ -5,8 +5,8 @@ sees exactly those tokens, and the answer's `token_ids` (`return_token_ids`) are
 what it produced, the stop token included. The server's reasoning parser is not used:
 the reasoning is found on the token ids, by the rule both backends share.
 
-A request the server rejects (a prompt over the context) becomes that row's
-`Generated.failed`; a server that stops answering fails the whole call with a
+A request the server rejects (a prompt over the context), or one a healthy server gives no answer
+within the request timeout, becomes that row's `Generated.failed`; a server that stops answering fails the whole call with a
 `VllmServerError` naming its URL, so a run never records every remaining row as failed
 because the server went away.
 """
@@ -81,6 +81,13 @@ class VLLMGenerator:
         try:
             answer = http_json(f"{self.url}/v1/completions", self._request_body(prompt), timeout=self.request_timeout_s)
         except ServerUnreachableError as e:
+            if self.server.is_healthy():
+                # The server answers, this request did not (it timed out): the row fails alone, retried up to
+                # generation.max_row_attempts times; failing the whole run would stall every row behind it.
+                return Generated.failed(
+                    f"no answer from the vLLM server at {self.url}, which is healthy, within the request timeout of "
+                    f"{self.request_timeout_s:g} s ({e})"
+                )
             raise VllmServerError(f"{self.server.describe_down()} ({e})") from None
         self._drop_hidden_states(answer)
         choice = answer["choices"][0]

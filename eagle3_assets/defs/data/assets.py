@@ -35,7 +35,7 @@ from eagle3_assets.prompts import (
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, made_by, read_responses
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version
+from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version, unknown_target_files
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.tokenized import (
@@ -165,6 +165,13 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
     # Its version is its content identity; the version a record made before that had is kept beside it, so a release
     # made then is still this target's (`provenance.sampled_version`).
     earlier = {} if project.settings.is_demo else {"sampled_version": sampled_version(want, project.settings.target_model)}
+    with failures():
+        unknown = [] if project.settings.is_demo else unknown_target_files(project.settings.target_model)
+    if unknown:
+        context.log.warning(
+            f"target_model: {len(unknown)} file(s) in {project.settings.target_model} are no known part of a model "
+            f"and not part of its identity (a change to them redoes nothing): {', '.join(unknown[:20])}"
+        )
     version = materialized(project, want, extra=earlier)
     return MaterializeResult(
         data_version=version["data_version"],
@@ -173,6 +180,7 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
             **to_metadata(target.as_metadata()),
             "reasoning_format": reasoning,
             "slow_tokenizer": not tokenizer.is_fast,
+            "unknown_files": MetadataValue.json(unknown),
             "hidden_state_bytes_per_token": spec.hidden_bytes_per_token,
             "source": "built (demo)" if built else ("cached (demo)" if project.settings.is_demo else "configured"),
             "seconds": round(time.monotonic() - started, 2),
@@ -215,11 +223,13 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         finally:
             generator.close()
     if summary.rows_failed:
-        kept = summary.rows_failed - summary.rows_to_retry
+        kept = summary.rows_failed - summary.rows_to_retry - summary.rows_given_up
         context.log.warning(
             f"responses: {summary.rows_failed} of {summary.rows} rows failed: {summary.rows_to_retry} in the engine, "
-            f"retried on the next materialization (the asset stays due until they succeed), {kept} that cannot be "
-            "generated as set, not retried until the prompts or settings change; first: " + "; ".join(summary.first_errors)
+            f"retried on the next materialization (the asset stays due until they succeed), {summary.rows_given_up} "
+            "the engine kept failing, not generated and not retried (what follows goes on without them), "
+            f"{kept} that cannot be generated as set, not retried until the prompts or settings change; first: "
+            + "; ".join(summary.first_errors)
         )
     meta = summary.as_metadata()
     # The record keeps the retry: the asset stays due (`provenance.current_problem`) until the rows succeed.
@@ -229,9 +239,10 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         data_version=version["data_version"],
         metadata={
             **version["metadata"],
-            **to_metadata({k: v for k, v in meta.items() if k != "first_errors"}),
+            **to_metadata({k: v for k, v in meta.items() if k not in ("first_errors", "given_up")}),
             "error_rate": round(summary.rows_failed / max(1, summary.rows), 4),
             "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
+            "given_up": MetadataValue.md("\n".join(f"- {e}" for e in summary.given_up) or "none"),
             "backend": generator.name,
             "reasoning_format": renderer.reasoning,
             "path": store.url_of(RESPONSES_FILE),
