@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3_assets.errors import Refusal
+from eagle3_assets.families import DFLASH, EAGLE3, family_names, family_spec
 from eagle3_assets.storage_dtypes import StorageDtype
 
 CONFIG_ENV = "EAGLE3_CONFIG"
@@ -83,17 +84,8 @@ class ExtractionSettings(_Section):
 
 
 MAX_RANKS_PER_NODE = 256
-DRAFTER_FAMILIES = ("eagle3", "dflash")
 # The speculative token counts drafter_eval serves every drafter at, and the training-time estimate predicts.
 SPECULATIVE_TOKENS = (3, 7)
-
-
-def family_root(name: str) -> str:
-    """The store directory of a drafter family's outputs: EAGLE-3 at the store's top, where drafters were written
-    before there were families (its layout and history stay), the others under `families/<name>/`, with the same
-    layout inside (`drafter/family.py`). Here, below every module that reads it, rolling mode's window records
-    among them (`shard_window.py`)."""
-    return "" if name == "eagle3" else f"families/{name}"
 
 
 class LaunchSettings(_Section):
@@ -490,7 +482,7 @@ class Settings(_Section):
     extraction: ExtractionSettings = ExtractionSettings()
     training: TrainingSettings = TrainingSettings()
     drafters: list[str] = Field(
-        default_factory=lambda: ["eagle3"],
+        default_factory=lambda: [EAGLE3.name],
         description="drafter families trained from the one data build; drafter_release serves the best of them",
     )
     dflash: DFlashSettings = DFlashSettings()
@@ -520,17 +512,16 @@ class Settings(_Section):
     @classmethod
     def _known_families(cls, names: list[str]) -> list[str]:
         if not names:
-            raise ValueError("no drafter family named; the families are eagle3 and dflash")
+            raise ValueError(f"no drafter family named; the families are {', '.join(family_names())}")
         for name in names:
-            if name not in DRAFTER_FAMILIES:
-                raise ValueError(f"drafter family {name!r} does not exist; the families are {', '.join(DRAFTER_FAMILIES)}")
+            family_spec(name)  # an error naming the families there are
         if len(set(names)) != len(names):
             raise ValueError(f"a family is named twice in {names}")
         return names
 
     @model_validator(mode="after")
     def _dflash_servable(self) -> Settings:
-        if "dflash" not in self.drafters:
+        if DFLASH.name not in self.drafters:
             return self
         d = self.dflash
         if d.block_size < max(SPECULATIVE_TOKENS):
@@ -584,7 +575,7 @@ class Settings(_Section):
                 f"draft_vocab_size: {self.draft_vocab_size} is larger than the target vocabulary ({vocab_size})"
             )
         mask = self.dflash.mask_token_id
-        if "dflash" in self.drafters and mask is not None and mask >= vocab_size:
+        if DFLASH.name in self.drafters and mask is not None and mask >= vocab_size:
             raise SettingsError(
                 f"dflash.mask_token_id: {mask} is outside the target vocabulary (ids 0..{vocab_size - 1})"
             )
@@ -611,7 +602,7 @@ def demo_settings() -> Settings:
             heldout_rows=64,
         ),
         # Both families from the one data build; drafter_release serves the better (BENCHMARKS.md `families`).
-        drafters=["eagle3", "dflash"],
+        drafters=[EAGLE3.name, DFLASH.name],
         demo=demo,
     )
 
