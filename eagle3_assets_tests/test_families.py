@@ -2,6 +2,8 @@
 pools and record directories are in the code location, and a stand-in third family declared only by its spec gets
 all of them with no other edit."""
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -14,6 +16,7 @@ from eagle3_assets.settings import Settings, SettingsError, TrainingSettings, pa
 from eagle3_assets.shard_window import window_dir
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets_tests.conftest import tiny_settings
+from eagle3_assets_tests.helpers import REPO
 
 ROLLING = TrainingSettings(mode="rolling", batch_tokens=512, warmup_steps=2, epochs=1.0, heldout_rows=4)
 
@@ -87,3 +90,13 @@ def test_both_families_are_served_beside_the_targets_vllm_gives_aux_hidden_state
         } <= spec.target_architectures  # fmt: skip
         # vLLM 0.32 has no aux hidden states for these: no EAGLE-3 or DFlash drafter serves beside them.
         assert not {"GPT2LMHeadModel", "Gemma2ForCausalLM", "MixtralForCausalLM"} & spec.target_architectures
+
+
+def test_the_specs_and_settings_load_without_torch_or_dagster():
+    # `--plan`, settings checks and the registry read them: neither torch nor Dagster may come with them.
+    code = (
+        "import sys, eagle3_assets.families, eagle3_assets.settings, eagle3_assets.artifacts\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'dagster'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout == "[]\n"
