@@ -13,7 +13,7 @@ Adding a family: its spec below (and in `FAMILIES`), its settings section on `Se
 model, loss and export files with its `Family` in `drafter/family.py`.
 
 EAGLE-3 keeps the names it had before there were families (`drafter`, `drafter_eval`, pool `trainer`, the store's
-top): its history and records stay where they are. The others follow one rule (`_derived`).
+top): its history and records stay where they are. The others follow one rule (`by_rule`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ EAGLE3_TARGETS = frozenset({
 @dataclass(frozen=True)
 class FamilySpec:
     name: str  # in `settings.drafters`, `--family` and every record that names a family
-    title: str  # as people write it, in logs and docs
     description: str  # what its drafter is: the start of its asset's description
     root: str  # the store directory of its outputs ("" = the store's top)
     drafter_asset: str  # its training + export asset (and artifact)
@@ -72,10 +71,10 @@ class FamilySpec:
 TRAINER_POOL = "trainer"
 
 
-def _derived(name: str, *, title: str, description: str) -> FamilySpec:
+def by_rule(name: str, description: str) -> FamilySpec:
     """A family named after the rule for every family but EAGLE-3: `<asset>_<name>`, `families/<name>/`."""
     return FamilySpec(
-        name=name, title=title, description=description, root=f"families/{name}", drafter_asset=f"drafter_{name}",
+        name=name, description=description, root=f"families/{name}", drafter_asset=f"drafter_{name}",
         eval_asset=f"drafter_eval_{name}", trainer_pool=f"{TRAINER_POOL}_{name}", vllm_method=name,
         settings_section=name,
     )  # fmt: skip
@@ -83,7 +82,6 @@ def _derived(name: str, *, title: str, description: str) -> FamilySpec:
 
 EAGLE3 = FamilySpec(
     name="eagle3",
-    title="EAGLE-3",
     description="The EAGLE-3 draft model (one layer over three target layers, trained by TTT unrolls)",
     root="",
     drafter_asset="drafter",
@@ -94,13 +92,11 @@ EAGLE3 = FamilySpec(
     training_fields=("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output"),
     token_classes=True,
 )
-DFLASH = _derived(
-    "dflash",
-    title="DFlash",
-    description="The DFlash block draft model (drafts a whole block per forward, non-causal over mask slots)",
+DFLASH = by_rule(
+    "dflash", "The DFlash block draft model (drafts a whole block per forward, non-causal over mask slots)"
 )
 
-# Every family, by name, in the order the settings list them by default.
+# Every family, by name, in the order errors and `--family` list them.
 FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (EAGLE3, DFLASH)}
 
 

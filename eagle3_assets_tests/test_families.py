@@ -10,7 +10,7 @@ import pytest
 from dagster import AssetKey
 
 from eagle3_assets.artifacts import ARTIFACTS, family_artifacts
-from eagle3_assets.families import DFLASH, EAGLE3, FAMILIES, FamilySpec, _derived, family_spec
+from eagle3_assets.families import DFLASH, EAGLE3, FAMILIES, FamilySpec, by_rule, family_spec
 from eagle3_assets.project import Project
 from eagle3_assets.settings import Settings, SettingsError, TrainingSettings, parse_settings
 from eagle3_assets.shard_window import window_dir
@@ -55,12 +55,12 @@ def test_every_spec_has_its_assets_pool_and_records_in_the_code_location(tmp_pat
     }  # fmt: skip
     # What was made before there were specs stays where it is.
     assert (window_dir(EAGLE3.name), window_dir(DFLASH.name)) == ("drafter/window", "families/dflash/drafter/window")
-    assert DFLASH == _derived("dflash", title=DFLASH.title, description=DFLASH.description)
+    assert DFLASH == by_rule("dflash", DFLASH.description)
 
 
 def test_a_third_family_declared_by_its_spec_alone_gets_its_entries(tmp_path, monkeypatch):
     # A stand-in reading only the shared training settings: a real family also adds its section to `Settings`.
-    medusa = replace(_derived("medusa", title="Medusa", description="A stand-in family"), settings_section="training")
+    medusa = replace(by_rule("medusa", "A stand-in family"), settings_section="training")
     with pytest.raises(SettingsError, match="drafter family 'medusa' does not exist; the families are eagle3, dflash"):
         parse_settings({"drafters": ["eagle3", "medusa"]})
     monkeypatch.setitem(FAMILIES, medusa.name, medusa)
