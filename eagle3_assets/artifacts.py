@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from eagle3_assets.families import FAMILIES, FamilySpec, family_spec
 from eagle3_assets.settings import Settings, TrainingSettings
 
 # Training settings that change how a run is carried out, not what it learns or exports.
@@ -61,10 +62,6 @@ RECORDED_SINCE: dict[str, object] = {
 }  # fmt: skip
 
 
-# The EAGLE-3 recipe in `training`: the other families do not read these (`dflash` has its own section).
-EAGLE3_ONLY = ("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output", "serve_with")
-
-
 @dataclass(frozen=True)
 class Artifact:
     name: str
@@ -82,17 +79,6 @@ class Artifact:
 
     def parents_under(self, settings: Settings) -> tuple[str, ...]:
         return self.parents(settings) if callable(self.parents) else self.parents
-
-
-def drafter_artifact(family: str) -> str:
-    """The asset (and artifact) of a family's drafter: `drafter` for EAGLE-3, the asset it has always been (its
-    history and records stay), `drafter_<family>` for the others."""
-    return "drafter" if family == "eagle3" else f"drafter_{family}"
-
-
-def eval_artifact(family: str) -> str:
-    """The asset serving a family's drafter in vLLM: `drafter_eval`, `drafter_eval_<family>`."""
-    return "drafter_eval" if family == "eagle3" else f"drafter_eval_{family}"
 
 
 def _prompts(s: Settings) -> tuple[str, ...]:
@@ -124,14 +110,17 @@ def _hidden_states(s: Settings) -> tuple[str, ...]:
 
 # A drafter learns from the shards' features: every setting the shards are extracted with (`vllm.dtype`, a
 # quantization flag) is in its reads, so other features retrain it (issue 52, item 7), never only re-extract.
-def _drafter(s: Settings) -> tuple[str, ...]:
-    learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW]
-    return _hidden_states(s) + ("shard_size",) + tuple(f"training.{f}" for f in learnt)
+def _drafter_reads(family: FamilySpec) -> Callable[[Settings], tuple[str, ...]]:
+    """What `family`'s drafter is made from: the shards' reads, its own settings section, and the training
+    settings that shape what any family learns, less those only other families read."""
 
+    def reads(s: Settings) -> tuple[str, ...]:
+        others = {f for spec in FAMILIES.values() if spec != family for f in spec.training_fields}
+        learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW and f not in others]
+        own = () if family.settings_section == "training" else (family.settings_section,)
+        return _hidden_states(s) + ("shard_size", *own) + tuple(f"training.{f}" for f in learnt)
 
-def _dflash_drafter(s: Settings) -> tuple[str, ...]:
-    learnt = [f for f in TrainingSettings.model_fields if f not in (*TRAINING_HOW, *EAGLE3_ONLY)]
-    return _hidden_states(s) + ("shard_size", "dflash") + tuple(f"training.{f}" for f in learnt)
+    return reads
 
 
 def _eval(_: Settings) -> tuple[str, ...]:
@@ -147,6 +136,27 @@ _EVAL_DEPS_APART = {
     "prompts": "the held-out prompts it serves come with the prompt set",
     "target_model": "the target it serves the drafter beside",
 }
+
+
+def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
+    """A family's drafter and its eval, from its spec: records in its store directory (`FamilySpec.root`)."""
+    where = f"{family.root}/" if family.root else ""
+    drafter = Artifact(
+        family.drafter_asset,
+        _drafter_reads(family),
+        parents=("target_model", "tokenized", "vocab_map"),
+        runs_with=(*SERVING, *(f"training.{f}" for f in TRAINING_HOW)),
+        deps_apart=_DRAFTER_DEPS_APART,
+        directory=f"{where}drafter",
+    )
+    evaluation = Artifact(
+        family.eval_asset,
+        _eval,
+        parents=(family.drafter_asset, "prompts", "target_model"),
+        deps_apart=_EVAL_DEPS_APART,
+        directory=f"{where}drafter_eval",
+    )
+    return drafter, evaluation
 
 
 ARTIFACTS: dict[str, Artifact] = {
@@ -181,34 +191,12 @@ ARTIFACTS: dict[str, Artifact] = {
                        "training.mode", "training.window_shards", "drafters"),
             deps_apart={"tokenized": "a shard records its own rows' digest from tokenized's record, not its version"},
         ),  # fmt: skip
-        Artifact(
-            "drafter",
-            _drafter,
-            parents=("target_model", "tokenized", "vocab_map"),
-            runs_with=(*SERVING, *(f"training.{f}" for f in TRAINING_HOW)),
-            deps_apart=_DRAFTER_DEPS_APART,
-        ),
-        Artifact(
-            "drafter_dflash",
-            _dflash_drafter,
-            parents=("target_model", "tokenized", "vocab_map"),
-            runs_with=(*SERVING, *(f"training.{f}" for f in TRAINING_HOW)),
-            deps_apart=_DRAFTER_DEPS_APART,
-            directory="families/dflash/drafter",
-        ),
-        Artifact("drafter_eval", _eval, parents=("drafter", "prompts", "target_model"), deps_apart=_EVAL_DEPS_APART),
-        Artifact(
-            "drafter_eval_dflash",
-            _eval,
-            parents=("drafter_dflash", "prompts", "target_model"),
-            deps_apart=_EVAL_DEPS_APART,
-            directory="families/dflash/drafter_eval",
-        ),
+        *(a for spec in FAMILIES.values() for a in family_artifacts(spec)),
         Artifact(
             "drafter_release",
             lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters",
                        "evaluation.replace_release_for_target"),
-            parents=lambda s: tuple(eval_artifact(f) for f in s.drafters),
+            parents=lambda s: tuple(family_spec(f).eval_asset for f in s.drafters),
         ),
     )
 }

@@ -30,6 +30,7 @@ from eagle3_assets.defs.provenance import StartDoor, with_provenance
 from eagle3_assets.defs.shards import checks as shard_checks
 from eagle3_assets.defs.shards.assets import hidden_states_asset
 from eagle3_assets.defs.shards.automation import shard_backfill_condition
+from eagle3_assets.families import family_spec
 from eagle3_assets.project import Project
 
 
@@ -47,7 +48,7 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
         for a in (data.responses, data.tokenized, data.token_freq, data.vocab_map)
     ] + [
         asset
-        for family in settings.drafters
+        for family in map(family_spec, settings.drafters)
         for asset in (
             drafter.drafter_asset(settings.training, family, settings.drafters).with_attributes(
                 automation_condition=drafter_condition(project, door)

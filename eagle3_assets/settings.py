@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3_assets.architectures import ARCHITECTURES
 from eagle3_assets.errors import Refusal
+from eagle3_assets.families import DFLASH, EAGLE3, family_names, family_spec
 from eagle3_assets.storage_dtypes import StorageDtype
 
 if TYPE_CHECKING:
@@ -86,26 +87,20 @@ class ExtractionSettings(_Section):
     @field_validator("backfill_cron")
     @classmethod
     def _cron(cls, cron: str) -> str:
-        # Dagster's own parser, the one the automation condition will run it through: it has no public name.
-        from dagster._utils.schedules import is_valid_cron_string
-
-        if not is_valid_cron_string(cron):
-            raise ValueError(f"{cron!r} is not a 5-field cron schedule, e.g. '*/15 * * * *' (every 15 minutes)")
+        # The shape only: the values are checked by Dagster's own parser as the code location loads
+        # (`defs/shards/automation.py`), since this module imports no Dagster. `@hourly` and the like are Dagster's too.
+        if len(cron.split()) != 5 and not cron.startswith("@"):
+            raise ValueError(cron_problem(cron))
         return cron
 
 
+def cron_problem(cron: str) -> str:
+    return f"{cron!r} is not a 5-field cron schedule, e.g. '*/15 * * * *' (every 15 minutes)"
+
+
 MAX_RANKS_PER_NODE = 256
-DRAFTER_FAMILIES = ("eagle3", "dflash")
 # The speculative token counts drafter_eval serves every drafter at, and the training-time estimate predicts.
 SPECULATIVE_TOKENS = (3, 7)
-
-
-def family_root(name: str) -> str:
-    """The store directory of a drafter family's outputs: EAGLE-3 at the store's top, where drafters were written
-    before there were families (its layout and history stay), the others under `families/<name>/`, with the same
-    layout inside (`drafter/family.py`). Here, below every module that reads it, rolling mode's window records
-    among them (`shard_window.py`)."""
-    return "" if name == "eagle3" else f"families/{name}"
 
 
 class LaunchSettings(_Section):
@@ -520,7 +515,7 @@ class Settings(_Section):
     extraction: ExtractionSettings = ExtractionSettings()
     training: TrainingSettings = TrainingSettings()
     drafters: list[str] = Field(
-        default_factory=lambda: ["eagle3"],
+        default_factory=lambda: [EAGLE3.name],
         description="drafter families trained from the one data build; drafter_release serves the best of them",
     )
     dflash: DFlashSettings = DFlashSettings()
@@ -550,17 +545,16 @@ class Settings(_Section):
     @classmethod
     def _known_families(cls, names: list[str]) -> list[str]:
         if not names:
-            raise ValueError("no drafter family named; the families are eagle3 and dflash")
+            raise ValueError(f"no drafter family named; the families are {', '.join(family_names())}")
         for name in names:
-            if name not in DRAFTER_FAMILIES:
-                raise ValueError(f"drafter family {name!r} does not exist; the families are {', '.join(DRAFTER_FAMILIES)}")
+            family_spec(name)  # an error naming the families there are
         if len(set(names)) != len(names):
             raise ValueError(f"a family is named twice in {names}")
         return names
 
     @model_validator(mode="after")
     def _dflash_servable(self) -> Settings:
-        if "dflash" not in self.drafters:
+        if DFLASH.name not in self.drafters:
             return self
         d = self.dflash
         if d.block_size < max(SPECULATIVE_TOKENS):
@@ -624,7 +618,7 @@ class Settings(_Section):
                 f"draft_vocab_size: {self.draft_vocab_size} is larger than the target vocabulary ({vocab_size})"
             )
         mask = self.dflash.mask_token_id
-        if "dflash" in self.drafters and mask is not None and mask >= vocab_size:
+        if DFLASH.name in self.drafters and mask is not None and mask >= vocab_size:
             raise SettingsError(
                 f"dflash.mask_token_id: {mask} is outside the target vocabulary (ids 0..{vocab_size - 1})"
             )
@@ -651,7 +645,7 @@ def demo_settings(architecture: str = "llama") -> Settings:
             heldout_rows=64,
         ),
         # Both families from the one data build; drafter_release serves the better (BENCHMARKS.md `families`).
-        drafters=["eagle3", "dflash"],
+        drafters=[EAGLE3.name, DFLASH.name],
         demo=demo,
     )
 

@@ -39,15 +39,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from eagle3_assets.artifacts import drafter_artifact
+from eagle3_assets.families import EAGLE3, family_spec
 from eagle3_assets.hidden_states.manifest import ShardManifest
 from eagle3_assets.sample_file import SAMPLE_SUFFIX, check_record_path, manifest_path, sample_path, sample_row, shard_dir
-from eagle3_assets.settings import family_root
 from eagle3_assets.shards import Shard
 from eagle3_assets.storage import ArtifactStore
 
-WINDOW_DIR = "drafter/window"  # under each family's root (`settings.family_root`)
-EAGLE3 = "eagle3"
+WINDOW_DIR = "drafter/window"  # under each family's root (`FamilySpec.root`)
 
 Verdict = Literal["passed", "failed", "unchecked"]
 
@@ -105,16 +103,16 @@ class ConsumedShard:
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))  # when recorded
 
 
-def window_dir(family: str = EAGLE3) -> str:
+def window_dir(family: str = EAGLE3.name) -> str:
     """Where `family`'s consumed records live (store-relative)."""
-    return f"{family_root(family)}/{WINDOW_DIR}".lstrip("/")
+    return f"{family_spec(family).root}/{WINDOW_DIR}".lstrip("/")
 
 
-def consumed_path(key: str, family: str = EAGLE3) -> str:
+def consumed_path(key: str, family: str = EAGLE3.name) -> str:
     return f"{window_dir(family)}/{key}.json"
 
 
-def read_consumed(store: ArtifactStore, family: str = EAGLE3) -> dict[str, ConsumedShard]:
+def read_consumed(store: ArtifactStore, family: str = EAGLE3.name) -> dict[str, ConsumedShard]:
     """Every consumed record of `family` in the store, by shard key."""
     out = {}
     for name in store.listdir(window_dir(family)):
@@ -124,14 +122,14 @@ def read_consumed(store: ArtifactStore, family: str = EAGLE3) -> dict[str, Consu
     return out
 
 
-def read_consumed_one(store: ArtifactStore, key: str, family: str = EAGLE3) -> ConsumedShard | None:
+def read_consumed_one(store: ArtifactStore, key: str, family: str = EAGLE3.name) -> ConsumedShard | None:
     if not store.exists(consumed_path(key, family)):
         return None
     return ConsumedShard(**store.read_json(consumed_path(key, family)))
 
 
 def record_consumed(
-    store: ArtifactStore, key: str, *, step: int, checkpoint: str, family: str = EAGLE3
+    store: ArtifactStore, key: str, *, step: int, checkpoint: str, family: str = EAGLE3.name
 ) -> ConsumedShard:
     """Record that `family`'s `checkpoint` (already published) has learnt shard `key`; keeps an existing release."""
     old = read_consumed_one(store, key, family)
@@ -181,7 +179,7 @@ class Consumption:
         )
 
 
-def read_consumption(store: ArtifactStore, families: Sequence[str] = (EAGLE3,)) -> dict[str, Consumption]:
+def read_consumption(store: ArtifactStore, families: Sequence[str] = (EAGLE3.name,)) -> dict[str, Consumption]:
     """Every shard any of `families` consumed, by key, with each family's record."""
     by_family = {f: read_consumed(store, f) for f in families}
     keys = sorted({k for records in by_family.values() for k in records})
@@ -190,7 +188,7 @@ def read_consumption(store: ArtifactStore, families: Sequence[str] = (EAGLE3,)) 
     }
 
 
-def consumed_by_all(store: ArtifactStore, families: Sequence[str] = (EAGLE3,)) -> dict[str, Consumption]:
+def consumed_by_all(store: ArtifactStore, families: Sequence[str] = (EAGLE3.name,)) -> dict[str, Consumption]:
     """The shards every one of `families` consumed: out of the window, their sample files (being) released."""
     return {k: c for k, c in read_consumption(store, families).items() if c.complete}
 
@@ -200,7 +198,7 @@ def sample_files(store: ArtifactStore, key: str) -> list[str]:
     return [f"{shard_dir(key)}/{n}" for n in store.listdir(shard_dir(key)) if sample_row(n) is not None]
 
 
-def release(store: ArtifactStore, record: ConsumedShard, family: str = EAGLE3) -> ConsumedShard:
+def release(store: ArtifactStore, record: ConsumedShard, family: str = EAGLE3.name) -> ConsumedShard:
     """Delete the consumed shard's sample files (its manifest and check record stay), then mark `family`'s record
     released. Only once every family consumed the shard (`release_when_consumed`)."""
     if record.released:
@@ -233,7 +231,7 @@ def release_when_consumed(
     return release(store, record, family), []
 
 
-def start_over(store: ArtifactStore, keys: Sequence[str], family: str = EAGLE3) -> list[str]:
+def start_over(store: ArtifactStore, keys: Sequence[str], family: str = EAGLE3.name) -> list[str]:
     """A new run of `family` (a fresh pass, not the resumption of one) is about to train `keys`: records of them are
     another run's, and would keep the window from admitting them. Removes `family`'s records of `keys`; a shard whose
     sample files are gone (released) also loses its manifest and check record, so it reads as not extracted, the
@@ -262,10 +260,10 @@ class Window:
     keys: tuple[str, ...]  # every shard, in training order
     consumed: dict[str, Consumption]  # shards any family consumed
     size: int
-    families: tuple[str, ...] = (EAGLE3,)  # every family training from the window (`settings.drafters`)
+    families: tuple[str, ...] = (EAGLE3.name,)  # every family training from the window (`settings.drafters`)
 
     @classmethod
-    def read(cls, store: ArtifactStore, keys: Sequence[str], size: int, families: Sequence[str] = (EAGLE3,)) -> Window:
+    def read(cls, store: ArtifactStore, keys: Sequence[str], size: int, families: Sequence[str] = (EAGLE3.name,)) -> Window:
         return cls(tuple(keys), read_consumption(store, families), size, tuple(families))
 
     def done(self, key: str) -> bool:
@@ -302,7 +300,7 @@ class Window:
                 if len(self.families) == 1
                 else f"every drafter family ({', '.join(self.families)}) has consumed the shards before it"
             )
-            assets = ", ".join(f"`{drafter_artifact(f)}`" for f in self.families)
+            assets = ", ".join(f"`{family_spec(f).drafter_asset}`" for f in self.families)
             return (
                 f"shard {key} is outside the rolling window: training.window_shards={self.size} shards may be on "
                 f"disk ahead of training, and the window now holds {self.admitted()}. It is admitted once {by} "
@@ -324,7 +322,7 @@ class WindowStatus:
     bytes_on_disk: int  # hidden states of shards not yet released (from their manifests)
     window_bytes: int  # what `size` shards of the mean extracted size take
     eta_s: float | None  # until the last shard is consumed, at the slower of the two measured rates
-    families: tuple[str, ...] = (EAGLE3,)
+    families: tuple[str, ...] = (EAGLE3.name,)
 
     def as_metadata(self) -> dict[str, float | int]:
         counts = {state: list(self.states.values()).count(state) for state in ("released", "consumed", "checked")}
@@ -354,7 +352,7 @@ def _rate(times: list[datetime]) -> float | None:
 
 
 def window_status(
-    store: ArtifactStore, keys: Sequence[str], size: int, families: Sequence[str] = (EAGLE3,)
+    store: ArtifactStore, keys: Sequence[str], size: int, families: Sequence[str] = (EAGLE3.name,)
 ) -> WindowStatus:
     consumed = read_consumption(store, families)
     states: dict[str, ShardState] = {}

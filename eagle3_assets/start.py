@@ -68,11 +68,12 @@ from eagle3_assets.defs.provenance import Staleness, StartDoor, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.families import FAMILIES
 from eagle3_assets.leases import Lease
 from eagle3_assets.plan import APPROVE, Plan
 from eagle3_assets.processes import STOP_GRACE_S, stop_groups, terminate_with_parent
 from eagle3_assets.project import Project
-from eagle3_assets.settings import CONFIG_ENV, DRAFTER_FAMILIES, ROOT_ENV
+from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV
 from eagle3_assets.stopping import Stopped, StopSignals
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ STOPPED_BY = "eagle3/stopped_by"  # the signal that stopped the run: a person or
 RESPONSES = AssetKey("responses")
 ROLLING_POLL_S = 2.0
 # A start through these runs a drafter_eval.
-EVALUATED = frozenset({*(eval_key(f) for f in DRAFTER_FAMILIES), DRAFTER_RELEASE})
+EVALUATED = frozenset({*(eval_key(f) for f in FAMILIES.values()), DRAFTER_RELEASE})
 START_LEASE_DIR = "start"
 
 Log = Callable[[str], None]

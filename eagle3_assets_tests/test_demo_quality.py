@@ -40,7 +40,7 @@ from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.evaluate import load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
-from eagle3_assets.drafter.family import build_drafter, family_root
+from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
@@ -49,6 +49,7 @@ from eagle3_assets.drafter.vllm_eval import (
     generate_in_subprocess,
     generate_runs_in_subprocess,
 )
+from eagle3_assets.families import family_spec
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.project import DEMO_MODEL_DIR, Project
@@ -222,7 +223,7 @@ def test_the_family_serving_best_is_released_with_the_figures_it_served_and_the_
     project, instance = demo
     families = project.settings.drafters
     assert families == ["eagle3", "dflash"]
-    reports = {f: project.store.child(family_root(f)).read_json(EVAL_REPORT_FILE) for f in families}
+    reports = {f: project.store.child(family_spec(f).root).read_json(EVAL_REPORT_FILE) for f in families}
     for f, report in reports.items():
         assert report["outputs_match_greedy"] and report["mismatches"] == [], f
         assert report["decode_speedup_k3"] > 0 and report["decode_speedup_k7"] > 0, f  # measured, in the same run
@@ -231,7 +232,7 @@ def test_the_family_serving_best_is_released_with_the_figures_it_served_and_the_
     report, record = reports[best], project.store.read_json(RELEASE_RECORD)
     served = {"k3": report["mean_acceptance_length_k3"], "k7": report["mean_acceptance_length_k7"]}
     assert (record["family"], record["acceptance"], record["replaced"]) == (best, served, None)
-    assert record["export_sha256"] == report["export_sha256"] == export_digest(project.store.child(family_root(best)))
+    assert record["export_sha256"] == report["export_sha256"] == export_digest(project.store.child(family_spec(best).root))
     assert record["reason"].startswith("first release: k=3 ")
     event = instance.get_latest_materialization_event(DRAFTER_RELEASE).asset_materialization
     assert event.metadata["promoted"].value is True and event.metadata["family"].value == best

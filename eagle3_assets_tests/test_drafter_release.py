@@ -15,13 +15,13 @@ from eagle3_assets.defs.drafter.assets import RELEASE_CHECK, drafter_release_ass
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
 from eagle3_assets.drafter.evaluate import ReferenceDrafterMissing, beside_drafters
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
     RELEASE_DIR,
     RELEASED,
     export_digest,
     release_decision,
 )
+from eagle3_assets.families import DFLASH
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import Provenance, Record, write_record
 from eagle3_assets.settings import EvaluationSettings
@@ -106,7 +106,7 @@ def test_the_gate_refuses_a_drafter_that_regresses_in_a_context_bin_with_enough_
 
 def write_export(store: ArtifactStore, scale: float) -> str:
     """An export's files (the gate never loads them: their digest ties the report to them); `store` is a family's
-    directory (`store.child(family_root(f))`)."""
+    directory (`store.child(family_spec(f).root)`)."""
     local = store.local_path(EXPORT_DIR)
     local.mkdir(parents=True, exist_ok=True)
     save_file({"fc.weight": torch.full((2, 2), scale)}, str(local / "model.safetensors"))
@@ -348,7 +348,7 @@ def test_the_release_takes_the_better_family_and_the_other_stays_unreleased_nami
     """Issue 43: one release per target, across families, by the same rules; release.json names the family."""
     store = ArtifactStore(tmp_path / "store")
     project = Project(tiny_settings(), store)
-    eagle3, dflash = store, store.child(family_root("dflash"))
+    eagle3, dflash = store, store.child(DFLASH.root)
     with DagsterInstance.ephemeral() as instance:
         eagle3.write_json(EVAL_REPORT_FILE, report_json(2.5, 3.2, export_sha256=write_export(eagle3, 1.0)))
         dflash.write_json(EVAL_REPORT_FILE, report_json(2.6, 3.9, export_sha256=write_export(dflash, 2.0)))

@@ -84,6 +84,19 @@ def test_a_bad_backfill_cron_is_named_at_load(tmp_path: Path):
     assert "extraction.backfill_cron: Value error, 'every 15 minutes' is not a 5-field cron schedule" in str(e.value)
 
 
+def test_a_cron_of_five_fields_dagster_refuses_fails_the_code_location_named(tmp_path: Path):
+    # Settings import no Dagster: they check the shape, Dagster's parser the values, as the code location loads.
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.project import Project
+    from eagle3_assets.storage import ArtifactStore
+
+    settings = load_settings(write_config(tmp_path, 'extraction:\n  backfill_cron: "61 * * * *"\n'))
+    with pytest.raises(SettingsError, match=r"^extraction.backfill_cron: '61 \* \* \* \*' is not a 5-field cron schedule"):
+        build_definitions(Project(settings, ArtifactStore(str(tmp_path / "store"))))
+    hourly = load_settings(write_config(tmp_path, 'extraction:\n  backfill_cron: "@hourly"\n'))
+    build_definitions(Project(hourly, ArtifactStore(str(tmp_path / "store"))))
+
+
 def test_a_config_path_naming_a_directory_or_an_unknown_protocol_is_named(tmp_path: Path):
     with pytest.raises(SettingsError, match=rf"EAGLE3_CONFIG={tmp_path}: is a directory; name the YAML settings file"):
         load_settings({"EAGLE3_CONFIG": str(tmp_path)})

@@ -35,24 +35,24 @@ from dagster import (
 )
 from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
 
-from eagle3_assets.artifacts import ARTIFACTS, drafter_artifact
+from eagle3_assets.artifacts import ARTIFACTS
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, StartDoor, code_version, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.families import FAMILIES
 from eagle3_assets.figures import duration, size
 from eagle3_assets.plan import APPROVE, LATER, NO_PAST, Approval, Cost, Plan, Rate, Step, over_limit
 from eagle3_assets.project import Project
 from eagle3_assets.prompts import PROMPTS_FILE, Prompt, decode_prompts, parse_prompts
 from eagle3_assets.provenance import ProvenanceError, data_version, digest
 from eagle3_assets.responses import RowStamps, made_by, rows_to_generate
-from eagle3_assets.settings import DRAFTER_FAMILIES
 from eagle3_assets.shard_window import read_consumed
 from eagle3_assets.shards import Shard
 
-DRAFTERS = frozenset(drafter_artifact(f) for f in DRAFTER_FAMILIES)
-FAMILY_OF = {drafter_artifact(f): f for f in DRAFTER_FAMILIES}
+FAMILY_OF = {f.drafter_asset: f for f in FAMILIES.values()}  # by its drafter asset
+DRAFTERS = frozenset(FAMILY_OF)
 PAST_RUNS = 200  # materializations a rate is measured over, at most
 
 
@@ -140,7 +140,7 @@ class Planner:
         notes = []
         for name in drafters:
             released = sorted(
-                (k for k, c in read_consumed(self.project.store, FAMILY_OF[name]).items() if c.released),
+                (k for k, c in read_consumed(self.project.store, FAMILY_OF[name].name).items() if c.released),
                 key=lambda k: Shard.parse(k).start,
             )
             if released:

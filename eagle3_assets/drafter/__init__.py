@@ -1,6 +1,6 @@
 """Draft models of every family (EAGLE-3, DFlash): models, training on stored hidden states, export, serving check.
 
-family.py         what a family contributes (model, objective, export) and where its outputs live
+family.py         what a family contributes (model, objective, export); its names are its spec's (../families.py)
 model.py          EAGLE-3: one Llama-style layer over fused target features, unrolled by TTT
 ttt.py            EAGLE-3's training-time-test objective (alignment, masking, loss, acc_k), the scoring both share
 dflash_model.py   DFlash: Qwen3-style layers drafting a block of mask slots over the target's context

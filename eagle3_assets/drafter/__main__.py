@@ -23,17 +23,16 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.launch import EXIT_REFUSED
 from eagle3_assets.drafter.report import Report, open_report
 from eagle3_assets.drafter.run import DrafterRun, run_figures, train_and_export
 from eagle3_assets.errors import Eagle3Error, Refusal
+from eagle3_assets.families import EAGLE3, FamilySpec, family_names, family_spec
 from eagle3_assets.hidden_states.integrity import manifest_problem
 from eagle3_assets.leases import RUN_ID_ENV, Lease
 from eagle3_assets.processes import die_with_parent
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.settings import DRAFTER_FAMILIES
 from eagle3_assets.tokenized import TokenizedSet
 
 DRAFTER_DIR = "drafter"
@@ -45,7 +44,7 @@ class UnusableShards(Refusal):
     """Some shard's `_SUCCESS.json` does not match the tokenized set."""
 
 
-def train(report: Report, max_steps: int | None, family: str = "eagle3") -> DrafterRun:
+def train(report: Report, max_steps: int | None, family: FamilySpec = EAGLE3) -> DrafterRun:
     project = Project.from_environment()
     store, settings = project.store, project.settings
     target = project.target()
@@ -60,7 +59,7 @@ def train(report: Report, max_steps: int | None, family: str = "eagle3") -> Draf
             )
     # One trainer per drafter directory, whoever started it (another $DAGSTER_HOME, a second start command):
     # rank 0 holds the lease and checks it before each checkpoint, record and delete; the others write nothing.
-    lease_dir = f"{family_root(family)}/{DRAFTER_DIR}".lstrip("/")
+    lease_dir = f"{family.root}/{DRAFTER_DIR}".lstrip("/")
     lease = Lease(store, lease_dir, os.environ.get(RUN_ID_ENV, "")) if DistEnv.from_environ().is_main else None
     with lease or nullcontext():
         owned = store.guarded(lease.check) if lease else store
@@ -80,14 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     ap = argparse.ArgumentParser(prog="python -m eagle3_assets.drafter", description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) at this global step")
-    ap.add_argument("--family", choices=DRAFTER_FAMILIES, default="eagle3", help="the drafter family to train")
+    ap.add_argument("--family", choices=family_names(), default=EAGLE3.name, help="the drafter family to train")
     args = ap.parse_args(argv)
     env = DistEnv.from_environ()
     with open_report(env) as report:
         if env.world_size > 1:
             report.log(f"drafter: rank {env.rank} of {env.world_size} (local rank {env.local_rank}) started")
         try:
-            run = train(report, args.max_steps, args.family)
+            run = train(report, args.max_steps, family_spec(args.family))
         except Eagle3Error as e:
             # The rank's last line: the launcher quotes it when the job fails.
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.families import FamilySpec
 from eagle3_assets.provenance import settings_read
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -33,13 +34,14 @@ from eagle3_assets.storage import ArtifactStore
 # `heldout_rows` and `seed` choose the held-out rows: with either changed, rows the release trained on could be
 # held out now, and its figures would flatter it.
 MODEL_LOSS = ("train_lm_head", "loss", "loss_positions", "heldout_rows", "seed")
-EAGLE3_MODEL_LOSS = ("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output")
 
 
-def model_loss_settings(settings: Settings, family: str, family_fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+def model_loss_settings(
+    settings: Settings, family: FamilySpec, family_fingerprint: Mapping[str, Any]
+) -> dict[str, Any]:
     """What a continued drafter must share with the release besides its data: the family's own settings, the
     training settings that shape model and loss, and how the shards' features were extracted."""
-    fields = MODEL_LOSS + (EAGLE3_MODEL_LOSS if family == "eagle3" else ())
+    fields = MODEL_LOSS + family.training_fields
     return {
         **({"family": dict(family_fingerprint)} if family_fingerprint else {}),
         "training": {f: getattr(settings.training, f) for f in fields},

@@ -54,7 +54,6 @@ from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
 from eagle3_assets.drafter.export import EXPORT_DIR, load_export
-from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
     RELEASE_DIR,
     RELEASE_RECORD,
@@ -68,6 +67,7 @@ from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
 from eagle3_assets.errors import Refusal
+from eagle3_assets.families import EAGLE3, FamilySpec, family_spec
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
@@ -275,8 +275,9 @@ def beside_drafters(
     if other := other_target(store, target_version(store)):
         log(f"drafter_eval: {other}: not served beside the new export")
     elif store.exists(RELEASE_RECORD):
-        family = store.read_json(RELEASE_RECORD).get("family", "eagle3")  # releases before families were EAGLE-3
-        out[RELEASED] = (local_copy(store, RELEASE_DIR, tmp / "release"), family)
+        # Releases before families were EAGLE-3's.
+        family = family_spec(store.read_json(RELEASE_RECORD).get("family", EAGLE3.name))
+        out[RELEASED] = (local_copy(store, RELEASE_DIR, tmp / "release"), family.vllm_method)
     if settings.reference_drafter is not None:
         ref = Path(settings.reference_drafter)
         missing = [n for n in ("config.json", "model.safetensors") if not (ref / n).is_file()]
@@ -285,7 +286,7 @@ def beside_drafters(
                 f"evaluation.reference_drafter {ref}: no {' or '.join(missing)} there; name a local EAGLE-3 export "
                 "directory (download a published drafter first) or remove the setting"
             )
-        out[REFERENCE] = (ref, "eagle3")
+        out[REFERENCE] = (ref, EAGLE3.vllm_method)
     return out
 
 
@@ -341,11 +342,11 @@ def evaluate_drafter(
     *,
     max_tokens: int | None = None,
     log: Callable[[str], None] = print,
-    family: str = "eagle3",
+    family: FamilySpec = EAGLE3,
 ) -> EvalReport:
-    """Serve `family`'s export with the target on the held-out prompts (vLLM's method of that name); writes
-    `drafter_eval/report.json` in the family's directory (`family.family_root`)."""
-    out = store.child(family_root(family))
+    """Serve `family`'s export with the target on the held-out prompts (by its vLLM method); writes
+    `drafter_eval/report.json` in the family's directory (`FamilySpec.root`)."""
+    out = store.child(family.root)
     out.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
     store.settle(RELEASE_DIR)
     prompts = load_eval_prompts(store)
@@ -380,7 +381,7 @@ def evaluate_drafter(
         timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
         log(
             f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM ({max_tokens} tokens each), "
-            f"plain and with the {family} drafter at k={', '.join(str(k) for k in SPECULATIVE_TOKENS)} (features as "
+            f"plain and with the {family.name} drafter at k={', '.join(map(str, SPECULATIVE_TOKENS))} (features as "
             f"trained, then zeroed){''.join(f', {name} beside' for name, _, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
             f"{len(labels)} passes, timeout {timeout_s:.0f}s"
         )
@@ -402,7 +403,7 @@ def evaluate_drafter(
             target.path,
             prompt_ids,
             [{}]
-            + [{"draft_dir": export_dir, "method": family, "num_speculative_tokens": k, "zero_fc": zeroed}
+            + [{"draft_dir": export_dir, "method": family.vllm_method, "num_speculative_tokens": k, "zero_fc": zeroed}
                for k, zeroed in variants]
             + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
             # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel
@@ -420,7 +421,7 @@ def evaluate_drafter(
         for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
             report.add_beside(name, str(d), k, plain, spec)
         # By token class through EAGLE-3's TTT unroll; a block drafter's classes would need its own (not yet).
-        if family == "eagle3":
+        if family.token_classes:
             log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
             report.token_accuracy, report.off_reference = token_class_accuracy(
                 target, settings, export_dir, prompts, prompt_ids, plain.outputs
@@ -429,7 +430,7 @@ def evaluate_drafter(
             if acc.predictions[0]:
                 log(f"drafter_eval: {c} tokens ({acc.predictions[0]}): acc_0 {acc.acc[0]:.3f}")
     report.heldout_training_metrics = heldout_metrics(out)
-    calibrate(store, out, report, family, log)
+    calibrate(store, out, report, family.name, log)
     out.write_json(
         EVAL_REPORT_FILE,
         {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches},

@@ -5,17 +5,19 @@ target's head, checkpoints and resume, held-out evaluation, best-checkpoint sele
 shared. Both objectives return a `TTTOutput` with one entry per drafted position (EAGLE-3's TTT steps, DFlash's mask
 slots), scored by the same code, so their loss, acc_k and acceptance estimates mean the same thing.
 
-Each family keeps its outputs (checkpoints, best weights, TensorBoard, export, metrics) in a store directory of its
-own, `root`: EAGLE-3 at the store's top, where drafters were written before there were families (its layout and
-history stay), DFlash under `families/dflash/`, with the same layout inside.
+What the pipeline names a family by (its assets, store directory, pool, vLLM method) is its spec's
+(`eagle3_assets/families.py`); each trainer here carries its spec. Each family keeps its outputs (checkpoints, best
+weights, TensorBoard, export, metrics) in a store directory of its own, `spec.root`: EAGLE-3 at the store's top, where
+drafters were written before there were families (its layout and history stay), DFlash under `families/dflash/`,
+with the same layout inside.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from safetensors.torch import load as st_load
@@ -30,15 +32,17 @@ from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import Targets, TargetWeights
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
-from eagle3_assets.settings import DRAFTER_FAMILIES, DFlashSettings, Settings, TrainingSettings, family_root
+from eagle3_assets.families import DFLASH, EAGLE3, FamilySpec
+from eagle3_assets.settings import DFlashSettings, Settings, TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.vocab_map import VocabMap
 
 
 class Family(Protocol):
-    name: str
-    root: str  # the store directory of its outputs ("" = the store's top)
+    spec: ClassVar[FamilySpec]
+    name: str  # `spec.name`
+    root: str  # `spec.root`: the store directory of its outputs ("" = the store's top)
     steps: int  # drafted positions scored per prediction point: acc_0 .. acc_{steps-1}
     step_weight: float  # the loss weight of position k is step_weight**k
 
@@ -84,11 +88,22 @@ def build_drafter(
     return model
 
 
+class _Specified:
+    spec: ClassVar[FamilySpec]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def root(self) -> str:
+        return self.spec.root
+
+
 @dataclass(frozen=True)
-class Eagle3:
+class Eagle3(_Specified):
+    spec: ClassVar[FamilySpec] = EAGLE3
     settings: TrainingSettings
-    name: str = "eagle3"
-    root: str = ""
 
     @property
     def steps(self) -> int:
@@ -135,12 +150,11 @@ class Eagle3:
 
 
 @dataclass
-class DFlash:
+class DFlash(_Specified):
+    spec: ClassVar[FamilySpec] = DFLASH
     training: TrainingSettings
     dflash: DFlashSettings
     mask_token_id: int
-    name: str = "dflash"
-    root: str = family_root("dflash")
     # Which stored aux columns the context reads: set by `build`, once the shards' layers are known.
     _columns: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long), repr=False)
 
@@ -249,10 +263,15 @@ def mask_token_id(settings: DFlashSettings, target: TargetModel) -> int:
     )
 
 
-def family_of(name: str, settings: Settings, target: TargetModel) -> Family:
-    """The family `name` trains under these settings."""
-    if name == "eagle3":
-        return Eagle3(settings.training)
-    if name == "dflash":
-        return DFlash(settings.training, settings.dflash, mask_token_id(settings.dflash, target))
-    raise TrainingError(f"drafter family {name!r} does not exist; the families are {', '.join(DRAFTER_FAMILIES)}")
+# Each family's trainer under the settings, by its spec's name: one line per family.
+TRAINERS: dict[str, Callable[[Settings, TargetModel], Family]] = {
+    EAGLE3.name: lambda s, _: Eagle3(s.training),
+    DFLASH.name: lambda s, target: DFlash(s.training, s.dflash, mask_token_id(s.dflash, target)),
+}
+
+
+def family_of(spec: FamilySpec, settings: Settings, target: TargetModel) -> Family:
+    """The family of `spec`, as it trains under these settings."""
+    if spec.name not in TRAINERS:
+        raise TrainingError(f"drafter family {spec.name!r} has no trainer: add its line to drafter/family.py's TRAINERS")
+    return TRAINERS[spec.name](settings, target)

@@ -29,6 +29,7 @@ from pathlib import Path
 from eagle3_assets.drafter.eval_report import PROMPTS_BY_BIN, ContextBins, ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.errors import Refusal
+from eagle3_assets.families import EAGLE3
 from eagle3_assets.provenance import read_record
 from eagle3_assets.storage import ArtifactStore
 
@@ -152,7 +153,7 @@ def decide(
     min_prompts_per_bin: int = 5,
     approved_target: str | None = None,
 ) -> Decision:
-    """`release_decision` on the report of the export now in `source` (a family's directory, `family.family_root`;
+    """`release_decision` on the report of the export now in `source` (a family's directory, `FamilySpec.root`;
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
     release, which replaces a release of another target only when a person approved it for `target`,
     `evaluation.replace_release_for_target`, saying so)."""
@@ -218,7 +219,7 @@ def released_bins(store: ArtifactStore, report: ServedReport) -> ContextBins | N
 
 def promote(
     store: ArtifactStore, decision: Decision, report: ServedReport, target: str, source: ArtifactStore | None = None,
-    family: str = "eagle3",
+    family: str = EAGLE3.name,
 ) -> str:  # fmt: skip
     """Copy `family`'s export (in `source`, the store by default) to `drafter/release/` with the figures it was
     released on, its family and the version of the target it was released for; returns the release's URL."""

@@ -28,10 +28,9 @@ from eagle3_assets.drafter.data import Batch, BatchLoader, BatchOrder, DataError
 from eagle3_assets.drafter.distributed import barrier
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.hidden_states.manifest import ManifestError, ShardManifest
+from eagle3_assets.families import EAGLE3, FamilySpec, family_spec
 from eagle3_assets.sample_file import SAMPLE_SUFFIX, SampleSpec, manifest_path, sample_row, shard_dir
-from eagle3_assets.settings import family_root
 from eagle3_assets.shard_window import (
-    EAGLE3,
     Window,
     check_verdict,
     lost_sample_files,
@@ -156,7 +155,7 @@ def rolling_disk_needs(
             spec.projected_bytes(tset.num_tokens * todo // tset.num_rows, todo),
         ))  # fmt: skip
     for family in window.families:
-        root = family_root(family)
+        root = family_spec(family).root
         if steps := list_checkpoints(store.child(root)):
             newest = f"{root}/{checkpoint_rel(steps[-1])}".lstrip("/")
             needs.append((f"a checkpoint of {family} (as large as {newest})", store.tree_bytes(newest)))
@@ -241,13 +240,13 @@ class ShardWindow:
     wait_s: float
     log: LogFn
     on_event: Callable[[dict], None] | None = None
-    family: str = EAGLE3  # whose records this trainer writes
-    families: tuple[str, ...] = (EAGLE3,)  # every family that must consume a shard before it is released
+    family: FamilySpec = EAGLE3  # whose records this trainer writes
+    families: tuple[str, ...] = (EAGLE3.name,)  # every family that must consume a shard before it is released
 
     @property
     def name(self) -> str:
         """The family's drafter asset, as its log lines start."""
-        return "drafter" if self.family == EAGLE3 else f"drafter_{self.family}"
+        return self.family.drafter_asset
 
     def wait_for(self, k: int) -> SampleFormat:
         """Block until shard k passed its check (or was consumed already); its format from the manifest."""
@@ -255,19 +254,20 @@ class ShardWindow:
         start = time.monotonic()
         next_note = 0.0
         while True:
-            if read_consumed_one(self.store, key, self.family) is not None:
+            if read_consumed_one(self.store, key, self.family.name) is not None:
                 return manifest_format(self.store, key)
             verdict = check_verdict(self.store, key)
             if verdict == "passed" and (lost := lost_sample_files(self.store, key)) is not None:
                 if self.is_main:  # it reads as failed wherever the window is read (UI, the next run's refusal)
                     write_check_record(self.store, key, passed=False, problems=1)
                 if released_by := self._released_by_others(key):
-                    records = self.store.url_of(window_dir(self.family))
+                    family = self.family.name
+                    records = self.store.url_of(window_dir(family))
                     raise ShardFailedError(
                         f"shard {key} (#{k + 1} of {len(self.plan.keys)} in training order) was released once "
-                        f"{', '.join(released_by)} consumed it, before {self.family} did: {self.family} joined the "
+                        f"{', '.join(released_by)} consumed it, before {family} did: {family} joined the "
                         f"rolling pass after it began (or its records under {records} were removed): {lost}. "
-                        f"Materialize the shard again (the window admits it until {self.family} consumed it, and its "
+                        f"Materialize the shard again (the window admits it until {family} consumed it, and its "
                         f"rows are extracted again), then materialize `{self.name}`"
                     )
                 raise ShardFailedError(
@@ -316,17 +316,17 @@ class ShardWindow:
 
     def _consume(self, k: int, step: int) -> None:
         key = self.plan.keys[k]
-        checkpoint = f"{family_root(self.family)}/{checkpoint_rel(step)}".lstrip("/")
+        checkpoint = f"{self.family.root}/{checkpoint_rel(step)}".lstrip("/")
         # The one write before the shard's bytes may go: a record of a few hundred bytes, so no file leaves the shard
         # before every family's record exists.
-        record = record_consumed(self.store, key, step=step, checkpoint=checkpoint, family=self.family)
+        record = record_consumed(self.store, key, step=step, checkpoint=checkpoint, family=self.family.name)
         crash_point(f"recorded:{key}")
         # Before the release may delete them: every family keeps the same seeded rows (identical files), so whichever
         # releases the shard has kept them. The one that releases it moves them (no new bytes: on a full disk a copy
         # would fail before the release that frees the shard's gigabytes, every time); the others copy them.
-        releasing = all(read_consumed_one(self.store, key, f) is not None for f in self.families if f != self.family)
+        releasing = all(read_consumed_one(self.store, key, f) is not None for f in self.families if f != self.family.name)
         self._keep_rows(k, move=releasing)
-        done, waiting = release_when_consumed(self.store, record, self.family, self.families)
+        done, waiting = release_when_consumed(self.store, record, self.family.name, self.families)
         crash_point(f"released:{key}")
         if waiting:
             self.log(
@@ -344,7 +344,7 @@ class ShardWindow:
         if self.is_main:
             for k in range(next_shard):
                 key = self.plan.keys[k]
-                record = read_consumed_one(self.store, key, self.family)
+                record = read_consumed_one(self.store, key, self.family.name)
                 if record is not None and (record.released or self._released_by_others(key)):
                     continue
                 self._consume(k, steps_before(k + 1))
@@ -352,7 +352,7 @@ class ShardWindow:
 
     def _released_by_others(self, key: str) -> list[str]:
         """The other families whose trainer released shard `key` (deleted its files)."""
-        others = [f for f in self.families if f != self.family]
+        others = [f for f in self.families if f != self.family.name]
         return [f for f in others if (r := read_consumed_one(self.store, key, f)) is not None and r.released]
 
     def _keep_rows(self, k: int, *, move: bool) -> None:
@@ -374,7 +374,7 @@ class ShardWindow:
         """This trainer starts a pass at step 0: it clears its family's window records of the pass's shards (another
         run's), and trims the replay reservoir to the rows this plan keeps. Rank 0 alone; the others wait."""
         if self.is_main:
-            if removed := start_over(self.store, self.plan.keys, self.family):
+            if removed := start_over(self.store, self.plan.keys, self.family.name):
                 self.log(
                     f"{self.name}: a new pass starts at step 0; {len(removed)} of its shards were consumed by another "
                     f"run ({removed[0]}{', …' if len(removed) > 1 else ''}): their window records are cleared, and "

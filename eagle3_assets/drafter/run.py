@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3_assets.artifacts import ARTIFACTS, drafter_artifact
+from eagle3_assets.artifacts import ARTIFACTS
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.calibration import (
     EstimatePoint,
@@ -35,6 +35,7 @@ from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, continued_line, train_drafter
 from eagle3_assets.drafter.vllm_eval import engine_version
+from eagle3_assets.families import EAGLE3, FamilySpec
 from eagle3_assets.provenance import Inputs, Provenance, expected
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -61,18 +62,18 @@ def train_and_export(
     on_eval: MetricsCallback | None = None,
     log: LogFn = print,
     max_steps: int | None = None,
-    family: str = "eagle3",
+    family: FamilySpec = EAGLE3,
 ) -> DrafterRun:
     """Train `family`'s drafter on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each
-    as it passes its check), then export once finished, into the family's directory (`Family.root`)."""
+    as it passes its check), then export once finished, into the family's directory (`FamilySpec.root`)."""
     # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
     versions = Inputs(settings, store)
-    want = expected(drafter_artifact(family), versions)
+    want = expected(family.drafter_asset, versions)
     inputs = run_inputs(settings, want)
     trained = family_of(family, settings, target)
     # What this run trains on, against what the release was trained on: continue it, or from scratch and why.
     now = trained_on(
-        family=family, target=want.inputs["target_model"], vocab_map=want.inputs["vocab_map"],
+        family=family.name, target=want.inputs["target_model"], vocab_map=want.inputs["vocab_map"],
         settings=model_loss_settings(settings, family, trained.fingerprint()),
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip

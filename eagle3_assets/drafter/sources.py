@@ -21,6 +21,7 @@ from eagle3_assets.drafter.data import (
 )
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.rolling import REPLAY_DIR, RollingLoader, RollingPlan, ShardWindow
+from eagle3_assets.families import EAGLE3, FamilySpec
 from eagle3_assets.sample_file import SAMPLE_SUFFIX
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
@@ -123,7 +124,7 @@ def rolling_data(
     *,
     log: Callable[[str], None],
     on_shard: ShardEventCallback | None,
-    family: str = "eagle3",
+    family: FamilySpec = EAGLE3,
     families: Sequence[str] = (),
     after: Sequence[str] = (),
 ) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow, ContinuedData | None]:
@@ -159,7 +160,7 @@ def rolling_data(
         continued = ContinuedData(new_rows, len(replay), steps[0], steps[1])
     window = ShardWindow(
         store, plan, env.is_main, poll_s=SHARD_POLL_S, wait_s=settings.shard_wait_s, log=log, on_event=on_shard,
-        family=family, families=tuple(dict.fromkeys([*families, family])),
+        family=family, families=tuple(dict.fromkeys([*families, family.name])),
     )  # fmt: skip
     fmt = window.wait_for(0)
 

@@ -425,7 +425,7 @@ def _prepare(
         # new row once, its steps what that pass takes.
         fmt, loader, held, window, continued = rolling_data(
             store, continuation.new_shards if continuation else shard_keys, settings, env, data_workers, log=log,
-            on_shard=on_shard, family=family.name, families=window_families,
+            on_shard=on_shard, family=family.spec, families=window_families,
             after=continuation.old_shards if continuation else (),
         )  # fmt: skip
         if continuation is not None:

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.crash_points import crash_point
 from eagle3_assets.drafter.errors import EvaluationError
+from eagle3_assets.families import EAGLE3
 from eagle3_assets.processes import signal_group, terminate_with_parent
 from eagle3_assets.vllm_server.cores import engine_claim, pin_to_claim
 
@@ -189,7 +190,7 @@ def generate(
     num_speculative_tokens: int = 3,
     max_tokens: int = 32,
     zero_fc: bool = False,
-    method: str = "eagle3",
+    method: str = EAGLE3.vllm_method,
     prompt_lookup_min: int | None = None,
     prompt_lookup_max: int | None = None,
     groups: Sequence[str] | None = None,

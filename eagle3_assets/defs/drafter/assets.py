@@ -1,7 +1,7 @@
-"""Per drafter family (`settings.drafters`): its drafter (training + export: `drafter` for EAGLE-3,
-`drafter_<family>` for the others) and its eval (served in vLLM, acceptance measured: `drafter_eval`,
-`drafter_eval_<family>`); then `drafter_release`, the export meant to be served, of whichever family serves best,
-replaced only by one that serves at least as well."""
+"""Per drafter family (`settings.drafters`), made from its spec (`eagle3_assets/families.py`): its drafter (training
++ export: `drafter` for EAGLE-3, `drafter_<family>` for the others) and its eval (served in vLLM, acceptance measured:
+`drafter_eval`, `drafter_eval_<family>`); then `drafter_release`, the export meant to be served, of whichever family
+serves best, replaced only by one that serves at least as well."""
 
 import json
 from collections.abc import Sequence
@@ -19,13 +19,12 @@ from dagster import (
     asset,
 )
 
-from eagle3_assets.artifacts import drafter_artifact, eval_artifact
 from eagle3_assets.defs.data.assets import target_model, vocab_map
 from eagle3_assets.defs.drafter.launch import train_with_torchrun
 from eagle3_assets.defs.drafter.window import WindowReporter, rolling_refusal
 from eagle3_assets.defs.failures import failures, refusal
 from eagle3_assets.defs.observe import to_metadata
-from eagle3_assets.defs.ops.runs import GPU_POOL, trainer_pool
+from eagle3_assets.defs.ops.runs import GPU_POOL
 from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.defs.provenance import Staleness, materialized
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
@@ -33,7 +32,6 @@ from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
@@ -42,48 +40,43 @@ from eagle3_assets.drafter.release import (
     promote,
     target_version,
 )
+from eagle3_assets.families import EAGLE3, FamilySpec, family_spec
 from eagle3_assets.leases import Lease
 from eagle3_assets.project import Project
 from eagle3_assets.settings import TrainingSettings
 
 GROUP = "drafter"
-DRAFTER = AssetKey("drafter")
+DRAFTER = AssetKey(EAGLE3.drafter_asset)
 DRAFTER_RELEASE = AssetKey("drafter_release")
 RELEASE_CHECK = "no_regression"
 
 
-def drafter_key(family: str) -> AssetKey:
-    return AssetKey(drafter_artifact(family))
+def drafter_key(family: FamilySpec) -> AssetKey:
+    return AssetKey(family.drafter_asset)
 
 
-def eval_key(family: str) -> AssetKey:
-    return AssetKey(eval_artifact(family))
-
-
-DRAFTER_DOCS = {
-    "eagle3": "The EAGLE-3 draft model (one layer over three target layers, trained by TTT unrolls)",
-    "dflash": "The DFlash block draft model (drafts a whole block per forward, non-causal over mask slots)",
-}
+def eval_key(family: FamilySpec) -> AssetKey:
+    return AssetKey(family.eval_asset)
 
 
 def drafter_asset(
-    training: TrainingSettings, family: str = "eagle3", families: Sequence[str] = ("eagle3",)
+    training: TrainingSettings, family: FamilySpec = EAGLE3, families: Sequence[str] = (EAGLE3.name,)
 ) -> AssetsDefinition:
     """A family's drafter asset (`drafter` for EAGLE-3, `drafter_<family>` for the others). Offline it holds the
     `gpu` pool like every GPU step. Rolling, it trains while shards are extracted, so it takes a `trainer` pool of
-    its family's own (`trainer_pool`): holding `gpu` while it waits for a shard would keep that shard's extraction
-    from ever starting, and every family (`families`, `settings.drafters`) trains from the window at once."""
+    its family's own (`FamilySpec.trainer_pool`): holding `gpu` while it waits for a shard would keep that shard's
+    extraction from ever starting, and every family (`families`, `settings.drafters`) trains from the window at once."""
 
     rolling = training.rolling
-    name = drafter_artifact(family)
+    name = family.drafter_asset
 
     @asset(
         key=drafter_key(family),
         group_name=GROUP,
         deps=[vocab_map, HIDDEN_STATES, target_model],
-        pool=trainer_pool(family) if rolling else GPU_POOL,
+        pool=family.trainer_pool if rolling else GPU_POOL,
         kinds={"pytorch"},
-        description=f"{DRAFTER_DOCS[family]}, trained on every shard (resumes from its last checkpoint), then "
+        description=f"{family.description}, trained on every shard (resumes from its last checkpoint), then "
         "exported. Rolling (`training.mode: rolling`): each shard as it lands, released once a checkpoint of every "
         "family has learnt it. Training runs as a torchrun job on every GPU `training.launch` names (`launch.py`).",
     )
@@ -118,9 +111,9 @@ def drafter_asset(
     return drafter
 
 
-def drafter_eval_asset(family: str = "eagle3") -> AssetsDefinition:
+def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
     """A family's export served with the target in vLLM on held-out prompts (`drafter_eval`, `drafter_eval_<family>`)."""
-    name = eval_artifact(family)
+    name = family.eval_asset
 
     @asset(
         key=eval_key(family),
@@ -128,7 +121,7 @@ def drafter_eval_asset(family: str = "eagle3") -> AssetsDefinition:
         deps=[drafter_key(family)],
         pool=GPU_POOL,
         kinds={"vllm"},
-        description=f"The {family} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
+        description=f"The {family.name} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
         "speculative tokens, and the features' share of it.",
     )
     def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
@@ -142,10 +135,10 @@ def drafter_eval_asset(family: str = "eagle3") -> AssetsDefinition:
                 "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
             )
         version = materialized(project, want)
-        export = project.store.child(family_root(family)).url_of(EXPORT_DIR)
+        export = project.store.child(family.root).url_of(EXPORT_DIR)
         return MaterializeResult(
             data_version=version["data_version"],
-            metadata=to_metadata(report.as_metadata()) | {"family": family, "export": export} | version["metadata"],
+            metadata=to_metadata(report.as_metadata()) | {"family": family.name, "export": export} | version["metadata"],
         )
 
     return drafter_eval
@@ -157,7 +150,7 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
     @asset(
         key=DRAFTER_RELEASE,
         group_name=GROUP,
-        deps=[eval_key(f) for f in families],
+        deps=[eval_key(family_spec(f)) for f in families],
         check_specs=[
             AssetCheckSpec(
                 RELEASE_CHECK,
@@ -179,7 +172,7 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             want = Staleness(project).expected("drafter_release")
         with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
             target = target_version(store)
-            sources = {f: store.child(family_root(f)) for f in families}
+            sources = {f: store.child(family_spec(f).root) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
             evaluation = project.settings.evaluation
             decisions = {

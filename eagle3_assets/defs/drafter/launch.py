@@ -26,7 +26,6 @@ from dagster import (
 )
 
 from eagle3_assets.defs.observe import observe
-from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.launch import (
     LaunchRefused,
     RankFailed,
@@ -36,6 +35,7 @@ from eagle3_assets.drafter.launch import (
     torchrun_command,
 )
 from eagle3_assets.drafter.report import METRICS_MESSAGE
+from eagle3_assets.families import EAGLE3, FamilySpec
 from eagle3_assets.leases import RUN_ID_ENV
 from eagle3_assets.processes import STOP_GRACE_S, terminate_with_parent
 from eagle3_assets.project import Project
@@ -71,7 +71,7 @@ def train_with_torchrun(
     *,
     watch: Callable[[], None] = lambda: None,
     poll_s: float = POLL_S,
-    family: str = "eagle3",
+    family: FamilySpec = EAGLE3,
 ) -> MaterializeResult:
     """Run `family`'s training job to its end; its materialization, or an `Eagle3Error` naming the failed rank."""
     settings, store = project.settings, project.store
@@ -82,14 +82,14 @@ def train_with_torchrun(
         )
     launch = settings.training.launch
     nproc = ranks_per_node(launch, settings.training.device)  # refusals, before any rank starts
-    refuse_another_world_size(store.child(family_root(family)), launch.nnodes * nproc)
+    refuse_another_world_size(store.child(family.root), launch.nnodes * nproc)
     # Beside the run's compute logs in $DAGSTER_HOME, not in /tmp: a failed job's rank logs stay with its run.
     log_dir = Path(context.instance.storage_directory()) / context.run_id / "torchrun"
     log_dir.mkdir(parents=True, exist_ok=True)
     config = log_dir / "settings.yaml"
     config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
     console = log_dir / "torchrun.log"
-    cmd = torchrun_command(launch, nproc, log_dir, ["--family", family])
+    cmd = torchrun_command(launch, nproc, log_dir, ["--family", family.name])
     context.log.info(f"drafter: {launch.nnodes} node(s) x {nproc} rank(s): {' '.join(cmd)}")
     seen = 0
     with open_pipes_session(

@@ -21,7 +21,8 @@ from dagster import AssetExecutionContext, AssetObservation, Failure
 from eagle3_assets.defs.failures import refusal
 from eagle3_assets.defs.observe import to_metadata
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
-from eagle3_assets.shard_window import EAGLE3, check_verdict, read_consumed, window_status
+from eagle3_assets.families import EAGLE3, FamilySpec
+from eagle3_assets.shard_window import check_verdict, read_consumed, window_status
 from eagle3_assets.storage import ArtifactStore
 
 
@@ -35,7 +36,7 @@ class WindowReporter:
         keys: Sequence[str],
         size: int,
         every_s: float = 10.0,
-        families: Sequence[str] = (EAGLE3,),
+        families: Sequence[str] = (EAGLE3.name,),
     ):
         self.context, self.store, self.keys, self.size, self.every_s = context, store, list(keys), size, every_s
         self.families = tuple(families)
@@ -69,16 +70,16 @@ class WindowReporter:
         self.context.instance.report_runless_asset_event(observation)
 
 
-def rolling_refusal(store: ArtifactStore, keys: Sequence[str], family: str = EAGLE3) -> Failure | None:
+def rolling_refusal(store: ArtifactStore, keys: Sequence[str], family: FamilySpec = EAGLE3) -> Failure | None:
     """Why `family`'s rolling run must not start, before any rank does: the next shard it trains failed its check.
 
     Shards not extracted yet are no reason to refuse: rolling training waits for them.
     """
-    consumed = read_consumed(store, family)
+    consumed = read_consumed(store, family.name)
     upcoming = next((k for k in keys if k not in consumed), None)
     if upcoming is None or check_verdict(store, upcoming) != "failed":
         return None
-    name = "drafter" if family == EAGLE3 else f"drafter_{family}"
+    name = family.drafter_asset
     return refusal(
         f"{name} refuses to train: shard {upcoming}, the next in training order, failed its integrity check, and "
         "rolling training never skips a shard. Repair it (`verify_shards` names the bad files; materialize the "

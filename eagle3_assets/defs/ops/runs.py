@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 
+from eagle3_assets.families import FAMILIES
 from eagle3_assets.processes import machine_id, process_alive, process_started_at
-from eagle3_assets.settings import DRAFTER_FAMILIES
 
 # The run tag Dagster's run retries read (documented under "Run retries"; its constant is not public).
 MAX_RETRIES_TAG = "dagster/max_retries"
@@ -36,19 +36,14 @@ PID_RUN_TAG = "eagle3/pid_run"  # the run whose process the pid is: a copy on a 
 ALERTED_TAG = "eagle3/alerted_by"  # the sensor that alerted on this run's death: `run_failure_alert` need not
 MACHINE_TAG = "eagle3/machine"
 GPU_POOL = "gpu"
-TRAINER_POOL = "trainer"  # rolling training, which runs beside extraction (defs/drafter/assets.py)
 LIVE = (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING)
 
 
-def trainer_pool(family: str) -> str:
-    """The pool of `family`'s rolling trainer: `trainer` for EAGLE-3 (as before there were families),
-    `trainer_<family>` for the others. One per family, each of the instance's default limit (1): the families train
-    from one window at once (a shard is released once all of them consumed it), so two trainers in one pool of one
-    slot would wait on each other until `training.shard_wait_s` ran out."""
-    return TRAINER_POOL if family == "eagle3" else f"{TRAINER_POOL}_{family}"
-
-
-TRAINER_POOLS = tuple(trainer_pool(f) for f in DRAFTER_FAMILIES)
+# Every family's rolling trainer pool (`FamilySpec.trainer_pool`: `trainer` for EAGLE-3, as before there were
+# families, `trainer_<family>` for the others). One per family, each of the instance's default limit (1): the families
+# train from one window at once (a shard is released once all of them consumed it), so two trainers in one pool of one
+# slot would wait on each other until `training.shard_wait_s` ran out.
+TRAINER_POOLS = tuple(f.trainer_pool for f in FAMILIES.values())
 
 
 def process_tags(run_id: str, pid: int | None = None) -> dict[str, str]:

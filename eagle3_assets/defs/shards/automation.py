@@ -17,6 +17,7 @@ as soon as its inputs are current.
 from __future__ import annotations
 
 from dagster import AutomationCondition, AutomationContext, AutomationResult
+from dagster._utils.schedules import is_valid_cron_string
 
 from eagle3_assets.defs.due import inputs_current, stale, with_redo
 from eagle3_assets.defs.partitions import registered_shard_keys
@@ -24,6 +25,7 @@ from eagle3_assets.defs.provenance import StartDoor
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.project import Project
 from eagle3_assets.sample_file import manifest_path
+from eagle3_assets.settings import SettingsError, cron_problem
 from eagle3_assets.shard_window import Window
 
 
@@ -84,6 +86,10 @@ class ShardUnusable(AutomationCondition):
 
 def shard_backfill_condition(cron: str, project: Project, door: StartDoor | None = None) -> AutomationCondition:
     """New or stale shards at once; missing or failed ones at each tick of `cron` (the start command: at once)."""
+    # Dagster's own parser, the one `cron_tick_passed` runs it through (it has no public name): a schedule it refuses
+    # fails the code location as it loads, named, not the daemon's first tick.
+    if not is_valid_cron_string(cron):
+        raise SettingsError(f"extraction.backfill_cron: {cron_problem(cron)}")
     triggers = _missing_or_failed(cron, project, door) | _newly_registered() | stale(project, inputs_current(project), door)
     if door is not None:
         triggers = with_redo(triggers, door, inputs_current(project))
