@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install ui-deps demo run test test-fast ui bench bench-demo clean
+.PHONY: install ui-deps demo run test test-fast ui bench bench-demo bench-arch clean
 
 $(BIN)/.installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
@@ -65,6 +65,14 @@ bench: install
 # the same module on a small demo. 14 minutes on 2 quiet cores (2026-12-04).
 bench-demo: install
 	EAGLE3_DEMO_SIZE=full $(BIN)/python -m pytest -q --durations=10 eagle3_assets_tests/test_demo_quality.py
+
+# The architecture matrix at bench size (1,200 rows a leg) on every architecture the CPU build serves, held to the
+# same assertions as in `make test`, then its figures (BENCHMARKS.md `architectures`).
+BENCH_ARCHITECTURES ?= deepseek_v3,qwen3_moe,qwen3,llama
+bench-arch: install
+	rm -rf benchmarks/out/arch
+	EAGLE3_ARCHITECTURES=$(BENCH_ARCHITECTURES) EAGLE3_ARCH_ROWS=1200 $(BIN)/python -m pytest -q --basetemp=benchmarks/out/arch eagle3_assets_tests/test_architectures.py
+	$(BIN)/python benchmarks/bench_arch.py benchmarks/out/arch/arch-*
 
 clean:
 	rm -rf $(VENV) .dagster .eagle3 .dagster-* .eagle3-*

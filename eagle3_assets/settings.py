@@ -604,6 +604,16 @@ class Settings(_Section):
     def check_against_target(self, target: TargetModel) -> None:
         """Settings that only make sense for a given target; raise SettingsError naming the field."""
         vocab_size = target.vocab_size
+        for name in self.drafters:
+            family = family_spec(name)
+            # A config that names no architecture says nothing to check (tests' hand-written configs).
+            if target.architecture != "unknown" and target.architecture not in family.target_architectures:
+                raise SettingsError(
+                    f"drafters: vLLM serves no {name} drafter beside {target.architecture} ({target.path}/config.json): "
+                    f"it serves one beside the {len(family.target_architectures)} architectures whose model gives a "
+                    "drafter the target's hidden states (SupportsEagle3), e.g. LlamaForCausalLM, Qwen3MoeForCausalLM, "
+                    "DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration (eagle3_assets/families.py lists them)"
+                )
         if target.quantization:
             # transformers 5.19 loads a compressed-tensors MoE's experts only where they are quantized and leaves the
             # others random without an error; the pipeline never runs a target it cannot trust HF to load.
@@ -644,8 +654,10 @@ def demo_settings(architecture: str = "llama") -> Settings:
             lr=3e-3, warmup_steps=20, epochs=16.0, batch_tokens=2048, weight_decay=0.3, checkpoint_every=100,
             heldout_rows=64,
         ),
-        # Both families from the one data build; drafter_release serves the better (BENCHMARKS.md `families`).
-        drafters=[EAGLE3.name, DFLASH.name],
+        # Both families from the one data build; drafter_release serves the better (BENCHMARKS.md `families`). Beside
+        # an MLA target EAGLE-3 alone: DFlash's drafter attends as Qwen3 does, and vLLM's CPU build without AMX shares
+        # no KV block size between that and MLA (docs/DESIGN.md §6).
+        drafters=[EAGLE3.name] if ARCHITECTURES[architecture].attention == "mla" else [EAGLE3.name, DFLASH.name],
         demo=demo,
     )
 

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
+from eagle3_assets.architectures import ARCHITECTURES
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.crash_points import CRASH_ENV
 from eagle3_assets.demo.prompts import demo_prompt_sets
@@ -52,11 +53,23 @@ from .helpers import REPO, vllm_test_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
-ARCHITECTURES = os.environ.get("EAGLE3_ARCHITECTURES", "deepseek_v3,qwen3_moe").split(",")
+LEGS = os.environ.get("EAGLE3_ARCHITECTURES", "deepseek_v3,qwen3_moe").split(",")
 ROWS = int(os.environ.get("EAGLE3_ARCH_ROWS", "240"))
 EVAL_PROMPTS = 8
-# HF runs the bf16 checkpoint in float32, vLLM in bf16: four layers of bf16 rounding, measured up to ~0.02.
-HIDDEN_TOLERANCE = 0.05
+COMPARED_ROWS = 8  # rows extracted again by HF
+
+
+class HIDDEN_TOLERANCE:
+    """HF runs the bf16 checkpoint in float32, vLLM in bf16. Per token, a state's relative error is bf16's rounding
+    through four layers, except where an MoE router's top-2 is a near tie and the engines pick different experts
+    for a token: the tail. Measured on qwen3_moe's leg, pooled over 8 rows: per-row medians 0.006-0.017, one row's
+    95th percentile 0.18 (max 0.34), the others' 0.013-0.067."""
+
+    median = 0.02  # of every token's relative error, pooled over the rows compared
+    far = 0.1  # an error this large is a token that took other experts ...
+    far_share = 0.1  # ... and at most this share of tokens may
+
+
 SERVE_CHECK = Path(__file__).with_name("serve_check.py")
 
 
@@ -73,7 +86,7 @@ def leg_settings(architecture: str, eval_prompts: Path) -> Settings:
     return Settings.model_validate(data)
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=LEGS)
 def leg(request, tmp_path_factory):
     architecture = request.param
     base = tmp_path_factory.mktemp(f"arch-{architecture}")
@@ -95,7 +108,7 @@ def leg(request, tmp_path_factory):
 def test_the_target_is_a_miniature_of_its_architecture(leg):
     architecture, project, _ = leg
     config = json.loads((project.target_dir() / "config.json").read_text())
-    assert config["model_type"] == architecture and config["dtype"] == "bfloat16"
+    assert config["model_type"] == architecture and config["dtype"] == ARCHITECTURES[architecture].served_dtype
     if architecture == "deepseek_v3":  # Kimi-K2's: MLA with the latent the CPU kernels take, a dense first layer
         assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["first_k_dense_replace"]) == (512, 64, 1)
         assert (config["topk_method"], config["scoring_func"], config["n_shared_experts"]) == ("noaux_tc", "sigmoid", 1)
@@ -124,21 +137,23 @@ def test_hf_and_vllm_hidden_states_agree(leg):
     )
     extractor = open_extractor(hf_settings, target, device="cpu")
     try:
-        requests = [ExtractionRequest(r, np.asarray(rows.row(r)[0], dtype=np.int32)) for r in range(4)]
+        requests = [ExtractionRequest(r, np.asarray(rows.row(r)[0], dtype=np.int32)) for r in range(COMPARED_ROWS)]
         samples = extract_in_order(extractor, requests)
         pre_norm = extractor.last_hidden_state_norm == "pre_norm"
     finally:
         extractor.close()
+    assert pre_norm  # the last layer's output before the final norm, vLLM's convention: comparable as stored
+    errors: dict[str, list[torch.Tensor]] = {"aux_hidden_states": [], "last_hidden_state": []}
     for sample in samples:
         stored = st_load(project.store.read_bytes(sample_path(shard, sample.row)))
         assert np.array_equal(stored["input_ids"].numpy(), sample.input_ids)
-        pairs = [("aux_hidden_states", sample.aux_hidden_states)] + (
-            [("last_hidden_state", sample.last_hidden_state)] if pre_norm else []
-        )
-        for name, hf in pairs:
-            vllm = decode_hidden(stored, name).float()
-            error = ((hf.float() - vllm).norm() / vllm.norm()).item()
-            assert error < HIDDEN_TOLERANCE, (sample.row, name, error)
+        for name, hf in (("aux_hidden_states", sample.aux_hidden_states), ("last_hidden_state", sample.last_hidden_state)):
+            vllm = decode_hidden(stored, name).float()  # [T, 3H] or [T, H]
+            errors[name].append((hf.float() - vllm).norm(dim=-1) / vllm.norm(dim=-1))  # [T]
+    for name, per_row in errors.items():
+        error = torch.cat(per_row)
+        far = (error > HIDDEN_TOLERANCE.far).float().mean().item()
+        assert error.median() < HIDDEN_TOLERANCE.median and far <= HIDDEN_TOLERANCE.far_share, (name, error.median(), far)
 
 
 @pytest.fixture(scope="module")

@@ -223,3 +223,18 @@ def test_a_quantized_target_is_refused_to_the_hf_backends_naming_the_one_to_use(
                                             r"and extraction.backend: vllm$"):  # fmt: skip
         Settings(draft_vocab_size=128).check_against_target(int4)
     Settings(draft_vocab_size=128, generation={"backend": "vllm"}, extraction={"backend": "vllm"}).check_against_target(int4)
+
+
+def test_a_target_vllm_serves_no_drafter_beside_is_refused_naming_its_architecture():
+    with pytest.raises(SettingsError) as e:
+        Settings(draft_vocab_size=128).check_against_target(target_of(architectures=["MambaForCausalLM"]))
+    assert str(e.value) == (
+        "drafters: vLLM serves no eagle3 drafter beside MambaForCausalLM (/models/t/config.json): it serves one beside "
+        "the 80 architectures whose model gives a drafter the target's hidden states (SupportsEagle3), e.g. "
+        "LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration "
+        "(eagle3_assets/families.py lists them)"
+    )
+    for architecture in ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "Qwen3MoeForCausalLM"):
+        Settings(draft_vocab_size=128, drafters=["eagle3", "dflash"]).check_against_target(
+            target_of(architectures=[architecture])
+        )

@@ -34,6 +34,7 @@ class Architecture:
     hf_architecture: str  # config.json `architectures[0]` of a checkpoint of this kind
     model_type: str
     moe: bool
+    attention: str  # "gqa" (grouped-query, Llama's kind) or "mla" (DeepSeek's latent attention)
     # The dtype the miniature is saved in, so the engine's "auto" runs it so: vLLM's CPU MoE kernel takes bf16
     # (or int8/fp8/int4) weights and no float32 (docs/DESIGN.md §6).
     served_dtype: str

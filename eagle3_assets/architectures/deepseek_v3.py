@@ -54,6 +54,7 @@ DEEPSEEK_V3 = Architecture(
     name="deepseek_v3",
     hf_architecture="DeepseekV3ForCausalLM",
     model_type="deepseek_v3",
+    attention="mla",
     moe=True,
     served_dtype="bfloat16",
     miniature=miniature,

@@ -31,6 +31,7 @@ LLAMA = Architecture(
     name="llama",
     hf_architecture="LlamaForCausalLM",
     model_type="llama",
+    attention="gqa",
     moe=False,
     served_dtype="float32",
     miniature=miniature,

@@ -31,6 +31,7 @@ QWEN3 = Architecture(
     name="qwen3",
     hf_architecture="Qwen3ForCausalLM",
     model_type="qwen3",
+    attention="gqa",
     moe=False,
     served_dtype="float32",
     miniature=miniature,

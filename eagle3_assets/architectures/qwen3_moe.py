@@ -36,6 +36,7 @@ QWEN3_MOE = Architecture(
     name="qwen3_moe",
     hf_architecture="Qwen3MoeForCausalLM",
     model_type="qwen3_moe",
+    attention="gqa",
     moe=True,
     served_dtype="bfloat16",
     miniature=miniature,
