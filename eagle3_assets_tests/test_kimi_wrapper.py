@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from eagle3_assets.demo.kimi_wrapper import (
+from eagle3_assets.demo.kimi_k25 import (
     ARCHITECTURE,
     INDEX_FILE,
-    kimi_k25_config,
-    wrap_text_checkpoint,
-    wrapper_weight_name,
-    write_kimi_k25_config,
+    TINY_VISION_CONFIG,
+    wrapped_name,
+    wrapper_config,
+    write_kimi_k25_wrapper,
 )
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.settings import CONFIG_ENV, SettingsError, load_settings
@@ -45,18 +45,27 @@ def deepseek_v3(tmp_path_factory) -> tuple[Path, DeepseekV3ForCausalLM]:
 
 @pytest.fixture(scope="module")
 def kimi_k25(deepseek_v3, tmp_path_factory) -> Path:
-    return wrap_text_checkpoint(deepseek_v3[0], tmp_path_factory.mktemp("k25") / "model")
+    return write_kimi_k25_wrapper(deepseek_v3[0], tmp_path_factory.mktemp("k25") / "model")
 
 
 def test_the_wrapper_config_holds_the_text_model_under_text_config(deepseek_v3, kimi_k25: Path):
     text = json.loads((deepseek_v3[0] / "config.json").read_text())
     config = json.loads((kimi_k25 / "config.json").read_text())
-    assert config == kimi_k25_config(text)
+    assert config == wrapper_config(text)
+    text.pop("transformers_version")
     assert (config["architectures"], config["model_type"], config["text_config"]) == ([ARCHITECTURE], "kimi_k25", text)
     assert config["text_config"]["model_type"] == "deepseek_v3"
-    assert config["vision_config"]["text_hidden_size"] == 64
-    again = write_kimi_k25_config(kimi_k25.parent / "again", text)
-    assert again.read_bytes() == (kimi_k25 / "config.json").read_bytes()
+    assert (config["vision_config"], config["tie_word_embeddings"], config["dtype"]) == (
+        TINY_VISION_CONFIG, False, "float32",
+    )  # fmt: skip
+    # vLLM's model reads the first, its EAGLE-3 proposer the second
+    assert config["image_token_id"] == config["media_placeholder_token_id"] == 163605
+    again = write_kimi_k25_wrapper(deepseek_v3[0], kimi_k25.parent / "again")
+    for name in ("config.json", INDEX_FILE):
+        assert (again / name).read_bytes() == (kimi_k25 / name).read_bytes()
+    with pytest.raises(FileExistsError) as e:
+        write_kimi_k25_wrapper(deepseek_v3[0], again)
+    assert str(e.value) == f"{again}: the wrapper's directory exists already"
 
 
 def test_the_shape_is_read_from_text_config(kimi_k25: Path):
@@ -81,7 +90,7 @@ def test_the_drafters_embedding_norm_and_head_are_read_under_the_wrappers_names(
     assert torch.equal(w.lm_head, model.lm_head.weight)
     assert w.rms_norm_eps == 1e-5
     with pytest.raises(ValueError) as e:
-        wrapper_weight_name("vision_tower.patch_embed.weight")
+        wrapped_name("vision_tower.patch_embed.weight")
     assert str(e.value) == (
         "vision_tower.patch_embed.weight: not a causal-LM tensor name (expected model.… or lm_head.…)"
     )

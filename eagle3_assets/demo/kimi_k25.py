@@ -1,20 +1,25 @@
 """Wrap a DeepSeek-V3 text model directory as Kimi-K2.5 ships it: `KimiK25ForConditionalGeneration`.
 
-Kimi-K2.5 is a vision-language model whose text model is DeepSeek-V3's architecture: its
-config.json holds the text model under `text_config` and its weights are named
-`language_model.model.…` and `language_model.lm_head.weight`. vLLM serves it text-only when the
-vision modality's limit is 0 (`limit_mm_per_prompt={"vision_chunk": 0}` or
-`language_model_only=True`): the vision tower and projector are then not built, so the wrapper
-carries a vision config (vLLM reads its head count) but no vision weights.
+Kimi-K2.5 is a vision-language model whose text model is DeepSeek-V3's architecture: its config.json holds the
+text model under `text_config` beside a `vision_config`, and its tensors are named `language_model.model.…` and
+`language_model.lm_head.weight`. The pipeline's readers (the shape in `target.TargetModel.read`, the drafter's
+embedding, norm and head in `drafter/target_head.load_target_weights`) then meet the published names.
 
-A quantized text model (compressed-tensors, `quantize.py`) stays quantized: its
-`quantization_config` moves to the wrapper's top level, where compressed-tensors and vLLM read it,
-and its module patterns (`re:.*self_attn.*`, …) match under the new prefix as they did before.
+vLLM serves it text-only when the vision modality's limit is 0 (`limit_mm_per_prompt={"vision_chunk": 0}` or
+`language_model_only=True`): the vision tower and projector are then not built, so the wrapper carries a vision
+config (vLLM reads its head count) but no vision weights.
+
+A quantized text model (compressed-tensors, `quantize.py`) stays quantized: its `quantization_config` moves to the
+wrapper's top level, where compressed-tensors and vLLM read it, and its module patterns (`re:.*self_attn.*`, …)
+match under the new prefix as they did before.
 """
+
+from __future__ import annotations
 
 import json
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,34 +28,36 @@ from safetensors.torch import save_file
 
 ARCHITECTURE = "KimiK25ForConditionalGeneration"
 MODEL_TYPE = "kimi_k25"
-# (text model's prefix, wrapper's prefix), as the published checkpoint names its tensors.
-RENAMES: tuple[tuple[str, str], ...] = (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
-# The smallest vision tower the config classes accept; never built in text-only serving.
+PREFIX = "language_model."
+INDEX_FILE = "model.safetensors.index.json"
+# The smallest vision tower transformers' `Kimi_K25VisionConfig` accepts; its defaults are the real 27-layer tower,
+# which HF would build (randomly) on load. Never built in vLLM's text-only serving.
 TINY_VISION_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_attention_heads": 2,
     "num_hidden_layers": 1,
 }
-# Kimi-K2.5's media token ids; the vision path (unused here) reads them from the config.
+# Kimi-K2.5's media token ids. vLLM's model reads `image_token_id`; its EAGLE-3 proposer reads a KimiK25 target's
+# `media_placeholder_token_id` (the hub schema's name for the same `<|media_pad|>` id), so both are written.
 MEDIA_TOKEN_IDS: dict[str, int] = {
     "image_token_id": 163605,
+    "media_placeholder_token_id": 163605,
     "video_token_id": 163840,
     "vision_start_token_id": 163602,
     "vision_end_token_id": 163604,
 }
-INDEX = "model.safetensors.index.json"
 
 
 def wrapped_name(name: str) -> str:
-    """The published Kimi-K2.5 name of a DeepSeek-V3 checkpoint tensor."""
-    for old, new in RENAMES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"{name}: not a DeepSeek-V3 text model tensor (expected a name under 'model.' or 'lm_head.')")
+    """A DeepSeek-V3 tensor's name as the wrapper's checkpoint spells it (`model.norm.weight` ->
+    `language_model.model.norm.weight`, `lm_head.weight` -> `language_model.lm_head.weight`)."""
+    if not name.startswith(("model.", "lm_head.")):
+        raise ValueError(f"{name}: not a causal-LM tensor name (expected model.… or lm_head.…)")
+    return PREFIX + name
 
 
-def wrapper_config(text_config: dict[str, Any]) -> dict[str, Any]:
+def wrapper_config(text_config: Mapping[str, Any]) -> dict[str, Any]:
     """The wrapper's config.json for the text model's config.json."""
     if text_config.get("model_type") != "deepseek_v3":
         raise ValueError(
@@ -62,10 +69,14 @@ def wrapper_config(text_config: dict[str, Any]) -> dict[str, Any]:
         "model_type": MODEL_TYPE,
         "text_config": text,
         "vision_config": TINY_VISION_CONFIG,
-        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+        # explicit: Kimi_K25Config defaults to tied embeddings, DeepSeek-V3 does not tie them
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         **MEDIA_TOKEN_IDS,
     }
-    for key in ("dtype", "bos_token_id", "eos_token_id", "pad_token_id"):
+    dtype = text.get("dtype") or text.get("torch_dtype")
+    if dtype:
+        config["dtype"] = dtype
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in text:
             config[key] = text[key]
     if "quantization_config" in text_config:
@@ -73,42 +84,53 @@ def wrapper_config(text_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _write_weights(text_model_dir: Path, out_dir: Path) -> None:
-    shards = sorted(text_model_dir.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{text_model_dir}: no *.safetensors weights")
+def _weight_files(src: Path) -> list[str]:
+    """The shards the index names, else the single file: a stray *.safetensors beside them is no weight."""
+    index = src / INDEX_FILE
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (src / "model.safetensors").exists():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{src}: no model.safetensors or {INDEX_FILE}")
+
+
+def _write_weights(src: Path, out: Path) -> None:
+    """Every tensor renamed, in the same shards (metadata kept), and an index naming them."""
     weight_map: dict[str, str] = {}
     total = 0
-    for shard in shards:
-        with safe_open(shard, "pt") as f:
-            tensors = {wrapped_name(name): f.get_tensor(name) for name in f.keys()}
-        save_file(tensors, out_dir / shard.name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, shard.name))
+    for file in _weight_files(src):
+        with safe_open(str(src / file), framework="pt") as f:
+            tensors = {wrapped_name(k): f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata() or {"format": "pt"}
+        save_file(tensors, str(out / file), metadata=metadata)
+        weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_kimi_k25_wrapper(text_model_dir: Path, out_dir: Path) -> None:
-    """Write `text_model_dir` (a DeepSeek-V3 model directory, bf16 or compressed-tensors INT4) to `out_dir`
-    as a Kimi-K2.5 checkpoint; every other file (tokenizer, templates, remote code) is copied.
-    `out_dir` appears complete or not at all."""
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir}: the wrapper's directory exists already")
-    config_path = text_model_dir / "config.json"
+def write_kimi_k25_wrapper(text_model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write `text_model_dir` (a DeepSeek-V3 model directory, bf16 or compressed-tensors INT4, one file or shards)
+    to `out_dir` as a Kimi-K2.5 checkpoint; every other file (tokenizer, templates, remote code) is copied.
+    `out_dir` appears complete or not at all. Returns `out_dir`."""
+    src, out = Path(text_model_dir), Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out}: the wrapper's directory exists already")
+    config_path = src / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{text_model_dir}: no config.json, not a Hugging Face model directory")
+        raise FileNotFoundError(f"{src}: no config.json, not a Hugging Face model directory")
     config = wrapper_config(json.loads(config_path.read_text()))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        for path in text_model_dir.iterdir():
-            if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", INDEX):
+        for path in sorted(src.iterdir()):
+            if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", INDEX_FILE):
                 shutil.copy2(path, staging / path.name)
-        _write_weights(text_model_dir, staging)
+        _write_weights(src, staging)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         staging.chmod(0o755)  # mkdtemp makes it owner-only; a model directory is shared
-        staging.rename(out_dir)
+        staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return out
