@@ -76,6 +76,11 @@ def test_the_shape_is_read_from_text_config(kimi_k25: Path):
     assert (target.rms_norm_eps, target.tie_word_embeddings, target.dtype) == (1e-5, False, "float32")
     assert target.aux_layer_ids == (2, 4, 5)  # the defaults [2, N//2, N-3] of the text model's 8 layers
     assert target.config["model_type"] == "deepseek_v3" and target.config["kv_lora_rank"] == 32
+    with pytest.raises(TargetModelError) as e:  # the text model's layers, not the wrapper's (it has none)
+        TargetModel.read(kimi_k25, aux_layer_ids=[2, 4, 8])
+    assert str(e.value) == (
+        "aux_layer_ids: layer id(s) [8] outside the model, which has 8 layers (valid 'input of layer i' ids: 1..7)"
+    )
 
 
 def test_the_drafters_embedding_norm_and_head_are_read_under_the_wrappers_names(deepseek_v3, kimi_k25: Path):
