@@ -194,3 +194,21 @@ class Lease:
             # What is leaving (a stop, a failure) says more than a lease file left to expire: it goes on, named.
             print(f"lease {self.what}: not released ({e}); it expires {self.expiry_s:g}s after its last renewal",
                   file=sys.stderr, flush=True)  # fmt: skip
+
+
+def settled(store: ArtifactStore, rel: str, owner_dir: str, *, timeout_s: float = 600.0, poll_s: float = 5.0,
+            **lease: float) -> None:  # fmt: skip
+    """Make `rel` safe to read for a process that does not own it (`storage.ArtifactStore.settle`): while the owner's
+    lease (at `owner_dir`) is held, wait for the owner to finish the replacement; once nobody holds it (the writer was
+    killed), take the lease, settle `rel` under it and give it back, so that two settlers never race. Nothing to do,
+    and no lease taken, when no replacement is pending."""
+    deadline = time.monotonic() + timeout_s
+    while (body := store.intent(rel)) is not None:
+        try:
+            with Lease(store, owner_dir, os.environ.get(RUN_ID_ENV, ""), **lease) as held:
+                store.guarded(held.check, held.me.describe()).settle(rel)
+            return
+        except LeaseHeld:
+            if time.monotonic() > deadline:
+                raise store.still_pending(rel, body, timeout_s) from None
+            time.sleep(poll_s)

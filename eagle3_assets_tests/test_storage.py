@@ -285,7 +285,7 @@ def test_a_reader_that_does_not_own_a_directory_waits_for_its_owner_to_settle_it
         ArtifactStore(url).put_dir(new, "drafter/release")
     monkeypatch.undo()
     reader, owner = ArtifactStore(url), ArtifactStore(url)
-    with pytest.raises(StoreError, match=r"drafter/release is still mid-replacement after 0s \(.*\.replacing\.json is there\)"):
+    with pytest.raises(StoreError, match=r"drafter/release is still mid-replacement after 0s \(.*/drafter/\.release\.replacing\.json is there, written by host .*, pid \d+\): the process that owns it"):
         reader.wait_settled("drafter/release", timeout_s=0.3, poll_s=0.05)
     assert not reader.exists("drafter/release")  # the reader touched nothing
 
@@ -294,3 +294,60 @@ def test_a_reader_that_does_not_own_a_directory_waits_for_its_owner_to_settle_it
     reader.wait_settled("drafter/release", timeout_s=30, poll_s=0.05)
     settler.join()
     assert _found(reader) == "new"
+
+
+# --- the intent (issue 52, item 8): written atomically; a torn one never wedges later publishes ---------------------
+
+
+def test_a_disk_that_fills_as_the_intent_is_written_leaves_no_intent_and_the_old_directory(small_tmpfs: Path, monkeypatch):
+    """The intent was written by a plain `pipe_file`: a full disk left it 0 bytes, and every later publish and resume
+    failed on a bare JSONDecodeError until a person deleted a hidden file."""
+    from eagle3_assets import storage
+
+    monkeypatch.setattr(storage, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE: the intent
+    old, new = _put_dirs(small_tmpfs.parent)
+    store = ArtifactStore(small_tmpfs / "store")
+    store.put_dir(old, "drafter/release")
+
+    def fill(name: str) -> None:  # another writer takes the last bytes once the new copy is uploaded
+        if name == "put_dir:drafter/release:uploaded":
+            with open(small_tmpfs / "filler", "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"x" * 512)
+                except OSError:
+                    pass
+
+    monkeypatch.setattr(storage, "crash_point", fill)
+    with pytest.raises(StoreRefusal, match=r"^cannot write file://.*/store/drafter/\.release\.replacing\.json: "
+                       r"\[Errno 28\] No space left on device"):  # fmt: skip
+        store.put_dir(new, "drafter/release")
+    assert sorted(os.listdir(small_tmpfs / "store/drafter")) == ["release"]  # no intent, no copy left
+    os.remove(small_tmpfs / "filler")
+    monkeypatch.setattr(storage, "crash_point", lambda name: None)
+    assert _found(store) == "old"
+    store.put_dir(new, "drafter/release")
+    assert _found(store) == "new"
+
+
+@pytest.mark.parametrize("torn", [b"", b'{"from": ".release.tmp-'])
+def test_a_torn_intent_an_older_writer_left_is_dropped_naming_it_and_the_next_publish_goes_on(tmp_path: Path, capfd, torn: bytes):
+    from eagle3_assets import storage
+
+    old, new = _put_dirs(tmp_path)
+    url = f"memory://torn-{uuid.uuid4().hex[:8]}"
+    store = ArtifactStore(url)
+    store.put_dir(old, "drafter/release")
+    store.fs.put(f"{new}/", store.path("drafter/.release.tmp-0123456789ab"), recursive=True)  # its complete copy
+    store.fs.pipe_file(store.path("drafter/.release.replacing.json"), torn)
+    assert store.settle("drafter/release")
+    assert capfd.readouterr().err == (
+        f"{store.url_of('drafter/.release.replacing.json')}: a torn intent (not JSON: a full disk or a kill while it "
+        f"was written) is removed; {store.url_of('drafter/release')} keeps the copy it had\n"
+    )
+    assert _found(store) == "old"
+    assert store.remove_temporaries("drafter") == 1
+    store.fs.pipe_file(store.path("drafter/.release.replacing.json"), torn)
+    store.put_dir(new, "drafter/release")  # the next publish settles it first, then replaces
+    assert _found(store) == "new"
+    assert store.fs.ls(store.path("drafter"), detail=False) == [store.path("drafter/release")]

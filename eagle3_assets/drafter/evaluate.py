@@ -53,9 +53,10 @@ from eagle3_assets.drafter.calibration import (
 from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, split_group, too_small
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
-from eagle3_assets.drafter.export import EXPORT_DIR, load_export
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR, load_export
 from eagle3_assets.drafter.family import family_root
 from eagle3_assets.drafter.release import (
+    PROMOTION_LEASE_DIR,
     RELEASE_DIR,
     RELEASE_RECORD,
     RELEASED,
@@ -68,6 +69,7 @@ from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
 from eagle3_assets.errors import Refusal
+from eagle3_assets.leases import settled
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
@@ -346,8 +348,9 @@ def evaluate_drafter(
     """Serve `family`'s export with the target on the held-out prompts (vLLM's method of that name); writes
     `drafter_eval/report.json` in the family's directory (`family.family_root`)."""
     out = store.child(family_root(family))
-    out.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
-    store.settle(RELEASE_DIR)
+    # A replacement a kill interrupted is finished by its owner, never read half done.
+    settled(out, EXPORT_DIR, TRAINER_LEASE_DIR)
+    settled(store, RELEASE_DIR, PROMOTION_LEASE_DIR)
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)

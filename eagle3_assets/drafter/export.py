@@ -25,6 +25,9 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
 EXPORT_DIR = "drafter/export"
+# The lease of the trainer that writes a family's export (`drafter/__main__.py`), in the family's directory: the owner
+# that settles the export; other readers wait for it (`leases.settled`).
+TRAINER_LEASE_DIR = "drafter"
 # What the export was trained on (`continuation.py`), published with it and copied into the release.
 TRAINED_ON_FILE = "trained_on.json"
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")

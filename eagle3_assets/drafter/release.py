@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_assets.drafter.eval_report import PROMPTS_BY_BIN, ContextBins, ServedReport
-from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR
 from eagle3_assets.errors import Refusal
+from eagle3_assets.leases import settled
 from eagle3_assets.provenance import read_record
 from eagle3_assets.storage import ArtifactStore
 
@@ -154,7 +155,9 @@ def decide(
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
     release, which replaces a release of another target, saying so)."""
     source = source or store
-    source.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
+    # A replacement a kill interrupted is finished, never read half done: the export by its trainer (or in its stead
+    # once none lives), the release here, by its owner (`store` is guarded by the promotion's lease).
+    settled(source, EXPORT_DIR, TRAINER_LEASE_DIR)
     store.settle(RELEASE_DIR)
     if report.export_sha256 != export_digest(source):
         raise NotComparable(

@@ -79,6 +79,8 @@ def train_and_export(
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
     main = DistEnv.from_environ().is_main
+    if main:  # its owner: an export replacement a kill interrupted is finished before an eval waits on it
+        store.child(trained.root).settle(EXPORT_DIR)
     plan = continuation_plan(*read_release(store, owner=main), now)
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")

@@ -177,7 +177,10 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
         store = project.store
         with failures():
             want = Staleness(project).expected("drafter_release")
-        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
+        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id) as lease:
+            # Every write of the release, its settling included, checks the lease first: a promoter paused past it
+            # publishes nothing over the release the one that took over made.
+            store = store.guarded(lease.check, lease.me.describe())
             target = target_version(store)
             sources = {f: store.child(family_root(f)) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
