@@ -61,6 +61,10 @@ RECORDED_SINCE: dict[str, object] = {
 }  # fmt: skip
 
 
+# Where the released drafter lives (`drafter/release.py`): the evals serve it beside their export, so which drafter it
+# is (its weights' digest) is an input of theirs.
+RELEASE_DIR = "drafter/release"
+
 # The EAGLE-3 recipe in `training`: the other families do not read these (`dflash` has its own section).
 EAGLE3_ONLY = ("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output", "serve_with")
 
@@ -75,6 +79,10 @@ class Artifact:
     deps_apart: Mapping[str, str] = field(default_factory=dict)
     code: int = 1
     directory: str | None = None  # where its record lives, when not in a directory of its name
+    # Served beside the released drafter, whose figures decide the release: which drafter is released is an input
+    # (`provenance.Inputs.release`), so a change of release makes it due, and a report served beside another release
+    # is never current.
+    beside_release: bool = False
 
     @property
     def record_dir(self) -> str:
@@ -196,13 +204,17 @@ ARTIFACTS: dict[str, Artifact] = {
             deps_apart=_DRAFTER_DEPS_APART,
             directory="families/dflash/drafter",
         ),
-        Artifact("drafter_eval", _eval, parents=("drafter", "prompts", "target_model"), deps_apart=_EVAL_DEPS_APART),
+        Artifact(
+            "drafter_eval", _eval, parents=("drafter", "prompts", "target_model"), deps_apart=_EVAL_DEPS_APART,
+            beside_release=True,
+        ),
         Artifact(
             "drafter_eval_dflash",
             _eval,
             parents=("drafter_dflash", "prompts", "target_model"),
             deps_apart=_EVAL_DEPS_APART,
             directory="families/dflash/drafter_eval",
+            beside_release=True,
         ),
         Artifact(
             "drafter_release",

@@ -300,6 +300,16 @@ class ArtifactStore:
             return {}
         return body if isinstance(body, dict) and isinstance(body.get("from"), str) else {}
 
+    def settled_rel(self, rel: str) -> str:
+        """Where `rel` can be read as it is once settled, without settling it (for a reader that only looks): the
+        complete copy a pending replacement names, else `rel` itself."""
+        body = self.intent(rel)
+        if body:
+            copy = f"{rel.strip('/').rpartition('/')[0]}/{body['from']}".lstrip("/")
+            if self.exists(copy):
+                return copy
+        return rel
+
     def _roll_forward(self, rel: str, tmp: str, intent: str) -> None:
         """Replace `rel` by the complete copy `tmp` that `intent` names. The intent goes before `tmp` is touched, so
         while it exists `tmp` is complete: a kill anywhere here is finished by `settle`. The guard comes before each

@@ -35,7 +35,7 @@ from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, continued_line, train_drafter
 from eagle3_assets.drafter.vllm_eval import engine_version
-from eagle3_assets.provenance import Inputs, expected
+from eagle3_assets.provenance import Inputs, expected, mark_replacing
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -106,6 +106,7 @@ def train_and_export(
     if result.finished and DistEnv.from_environ().is_main:
         tensors, summary["exported_step"] = export_choice(out, result, settings.training.export_checkpoint, log)
         record = {**now, "continued_from": summary["continued_from"] or None}
+        mark_replacing(store, drafter_artifact(family), out.url_of(EXPORT_DIR))
         url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)

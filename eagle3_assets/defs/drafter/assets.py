@@ -187,7 +187,7 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             evaluation = project.settings.evaluation
             decisions = {
                 f: decide(store, reports[f], target, evaluation.release_min_acceptance, sources[f],
-                          evaluation.min_prompts_per_bin)
+                          evaluation.min_prompts_per_bin, f)
                 for f in families
             }  # fmt: skip
             chosen, reasons = choose(decisions)
