@@ -241,15 +241,24 @@ class ArtifactStore:
         if self.fs.exists(p):
             self.fs.rm(p, recursive=recursive)
 
-    def remove_temporaries(self, rel_dir: str) -> int:
-        """Delete leftovers of writers that died under `rel_dir`; returns how many."""
+    def remove_temporaries(self, rel_dir: str, name: str | None = None) -> int:
+        """Delete leftovers of writers that died under `rel_dir` (only those of `name` there, when given: where
+        others' writers share the directory, as a family's export and the release share `drafter/`); returns how
+        many. Only by the owner of what it sweeps: a live writer's upload is a temporary too."""
         p = self.path(rel_dir)
         if not self.fs.exists(p):
             return 0
-        self.settle_all(rel_dir)  # a replacement's complete copy is not a leftover: finish it first
-        stale = [e for e in self.fs.ls(p, detail=False) if _is_tmp(e.rstrip("/").rsplit("/", 1)[-1])]
-        for e in stale:
-            self.fs.rm(e, recursive=True)
+        # A replacement's complete copy is not a leftover: finish it first.
+        if name is None:
+            self.settle_all(rel_dir)
+        else:
+            self.settle(f"{rel_dir}/{name}")
+        mine = (f".{name}{TMP_MARK}", f".{self._intent_rel(name)}{TMP_MARK}") if name else ("",)
+        names = (e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(p, detail=False))
+        stale = [n for n in names if _is_tmp(n) and n.startswith(mine)]
+        for n in stale:
+            self._guard()
+            self.fs.rm(f"{p}/{n}", recursive=True)
         return len(stale)
 
     # -- directories (model checkpoints, exports) --------------------------

@@ -351,3 +351,35 @@ def test_a_torn_intent_an_older_writer_left_is_dropped_naming_it_and_the_next_pu
     store.put_dir(new, "drafter/release")  # the next publish settles it first, then replaces
     assert _found(store) == "new"
     assert store.fs.ls(store.path("drafter"), detail=False) == [store.path("drafter/release")]
+
+
+def test_a_killed_trainers_and_promoters_temporaries_are_swept_each_by_its_owner_and_a_killed_ranks_staging_too(
+    tmp_path: Path,
+):
+    """Issue 52, item 12: `.export.tmp-*`, `.release.tmp-*`, `.tensorboard.tmp-*` and a killed rank's local
+    `drafter-export-*` staging copy were never swept. Each owner sweeps its own: the release's copies beside a
+    family's export are the promotion's, never the trainer's to remove."""
+    from eagle3_assets.drafter.run import sweep_killed_writes
+    from eagle3_assets.processes import pid_prefix, remove_dead_tempdirs
+
+    store = ArtifactStore(tmp_path / "store")
+    left = [".export.tmp-0123456789ab", ".tensorboard.tmp-0123456789ab", ".release.tmp-0123456789ab",
+            "..release.replacing.json.tmp-0123456789ab", "export"]  # fmt: skip
+    for name in left:
+        (tmp_path / "store/drafter" / name).mkdir(parents=True)
+    (tmp_path / "store/drafter/tensorboard/.run_from_step_40.tmp-0123456789ab").mkdir(parents=True)
+    assert sweep_killed_writes(store) == ["1 export", "2 tensorboard"]
+    assert sorted(os.listdir(tmp_path / "store/drafter")) == [
+        "..release.replacing.json.tmp-0123456789ab", ".release.tmp-0123456789ab", "export", "tensorboard"
+    ]  # fmt: skip
+    assert store.remove_temporaries("drafter", "release") == 2  # by the promotion, under its lease
+    assert sorted(os.listdir(tmp_path / "store/drafter")) == ["export", "tensorboard"]
+
+    staging = tmp_path / "tmp"
+    killed = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, mine = staging / f"drafter-export-{killed.stdout.strip()}-abc", staging / f"{pid_prefix('drafter-export-')}abc"
+    for d in (dead, mine):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    assert remove_dead_tempdirs("drafter-export-", staging) == [dead.name]
+    assert sorted(os.listdir(staging)) == [mine.name]  # this live process's is kept

@@ -181,6 +181,7 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             # Every write of the release, its settling included, checks the lease first: a promoter paused past it
             # publishes nothing over the release the one that took over made.
             store = store.guarded(lease.check, lease.me.describe())
+            store.remove_temporaries(RELEASE_DIR.rsplit("/", 1)[0], "release")  # a killed promotion's copies
             target = target_version(store)
             sources = {f: store.child(family_root(f)) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
