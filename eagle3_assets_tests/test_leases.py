@@ -390,3 +390,34 @@ def test_a_reader_waits_while_the_owner_of_a_replacement_lives_and_settles_it_in
     settled(store, RELEASE, PROMOTION, poll_s=0.05, **QUICK)  # nobody holds it: settled in the killed one's stead
     assert _found(store) == "new" and not store.exists(f"{PROMOTION}/_LEASE.json")
     settled(store, RELEASE, PROMOTION, **QUICK)  # nothing pending: no lease taken
+
+
+def test_a_renewal_stuck_in_the_store_never_hangs_the_release_and_one_delayed_past_its_margin_is_not_written(
+    tmp_path, capsys
+):
+    """Issue 52, item 11: `release()` joined the heartbeat with no timeout; and a renewal delayed between its read and
+    its write landed over the lease of the process that had taken over meanwhile."""
+    import threading
+
+    from eagle3_assets.leases import LeaseLost, _clock
+
+    store = ArtifactStore(tmp_path / "store")
+    hung = threading.Event()
+    lease = Lease(store, "drafter", "run-a", **FAST).acquire()
+    lease.store = store.guarded(hung.wait)  # every write from now on hangs, as a request to a store that never answers
+    time.sleep(FAST["heartbeat_s"] * 2)
+    lease.release()
+    assert capsys.readouterr().err == (
+        f"lease {store.url_of('drafter')}: a renewal is still writing after 2s; not released, it expires 2s after it "
+        "lands\n"
+    )
+    hung.set()
+
+    late = Lease(store, "promotion", "run-b", **FAST).acquire()
+    late._stop.set()  # its heartbeat stands still: the renewal below is the delayed one
+    late._beat.join()
+    late._renewed_at = _clock() - (FAST["expiry_s"] - FAST["settle_s"] / 2)
+    before = store.read_json("promotion/_LEASE.json")
+    with pytest.raises(LeaseLost, match=r"lost its lease: its renewal came 2s after the last, too late to write safely"):
+        late._renew()
+    assert store.read_json("promotion/_LEASE.json") == before
