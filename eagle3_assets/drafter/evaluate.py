@@ -45,6 +45,7 @@ from transformers import PreTrainedTokenizerBase
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.calibration import (
+    HISTORY_FILE,
     EstimatePoint,
     correction,
     exported_estimate,
@@ -69,7 +70,7 @@ from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
-from eagle3_assets.errors import Refusal
+from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.leases import settled
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
@@ -347,7 +348,10 @@ def calibrate(
             )
         points.append(EstimatePoint(family, k, est, served, report.export_sha256, against))
     if points:
-        record(store, points)
+        try:
+            record(store, points)
+        except Eagle3Error as e:  # hours of serving are never lost to the history: the report is written all the same
+            log(f"drafter_eval: this evaluation's points are not kept in {store.url_of(HISTORY_FILE)} ({e})")
 
 
 def evaluate_drafter(
