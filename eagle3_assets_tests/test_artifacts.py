@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from eagle3_assets.artifacts import ARTIFACTS, Artifact
 from eagle3_assets.definitions import build_definitions
+from eagle3_assets.families import EAGLE3
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import Inputs, expected
 from eagle3_assets.settings import VllmSettings
@@ -216,7 +217,7 @@ def test_extraction_numerics_retrain_the_drafters_resume_no_checkpoint_and_conti
     def figures(settings) -> tuple[str, str, dict[str, str], dict[str, Any]]:
         want = expected("drafter", Inputs(settings, store))
         return (made_from("drafter", settings, store), made_from("drafter_dflash", settings, store),
-                run_inputs(settings, want), model_loss_settings(settings, "eagle3", {}))  # fmt: skip
+                run_inputs(settings, want), model_loss_settings(settings, EAGLE3, {}))  # fmt: skip
 
     before = figures(base)
     for name, settings in changed.items():
