@@ -127,3 +127,23 @@ def test_the_report_keeps_each_bin_for_ours_and_the_released_drafter_and_the_gat
         "the new export serves at mean acceptance length 1.500 at k=3 on prompts of 1024-4096 tokens (5 prompts), "
         "the released drafter at 1.600 (same prompts, k and engine): not promoted, the released drafter stays"
     ))  # fmt: skip
+
+
+def test_outputs_that_part_where_greedy_was_a_near_tie_are_reported_apart_and_others_fail_the_eval():
+    """bf16 engines round the verify pass's logits otherwise than the plain decode's: a parting where greedy's top two
+    were within NEAR_TIE_LOGPROB is not a defect; one where the choice was clear is."""
+    from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB
+
+    plain = GenerationResult(
+        outputs=[[5, 7, 9, 2], [5, 8, 8, 2], [4, 4, 2]],
+        margins=[[3.0, 1.0, NEAR_TIE_LOGPROB / 2, 2.0], [3.0, 2.5, 1.0, 2.0], [1.0, 1.0, 1.0]],
+    )
+    spec = GenerationResult(outputs=[[5, 7, 3, 2], [5, 6, 8, 2], [4, 4, 2]], num_drafts=4, num_accepted_tokens=2)
+    report = EvalReport(prompts=3, max_tokens=4)
+    report.add_run(3, False, plain, spec, log=lambda _: None)
+    assert report.near_ties == [{"prompt": 0, "setting": "k=3", "position": 2, "greedy": [5, 7, 9, 2],
+                                 "speculative": [5, 7, 3, 2], "top_two_gap": NEAR_TIE_LOGPROB / 2}]  # fmt: skip
+    assert report.mismatches == [
+        {"prompt": 1, "setting": "k=3", "position": 1, "greedy": [5, 8, 8, 2], "speculative": [5, 6, 8, 2]}
+    ]
+    assert not report.outputs_match

@@ -60,6 +60,9 @@ class GenerationResult:
     accepted_per_position: list[int] = field(default_factory=list)
     by_group: dict[str, GenerationResult] = field(default_factory=dict)  # label -> that group's prompts alone
     seconds: float = 0.0  # wall time of the generate calls alone (no engine start)
+    # Per prompt, per generated token: its logprob minus the runner-up's (asked with `margins=True`), how near a tie
+    # each greedy choice was.
+    margins: list[list[float]] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -103,6 +106,7 @@ class GenerationResult:
             accepted_per_position=d["accepted_per_position"],
             by_group={label: cls.from_json(g) for label, g in d.get("by_group", {}).items()},
             seconds=float(d.get("seconds", 0.0)),
+            margins=d.get("margins", []),
         )
 
     @classmethod
@@ -118,6 +122,7 @@ class GenerationResult:
             num_accepted_tokens=sum(p.num_accepted_tokens for p in parts),
             accepted_per_position=per_position,
             seconds=sum(p.seconds for p in parts),
+            margins=[m for p in parts for m in p.margins],
         )
 
     @classmethod
@@ -129,6 +134,12 @@ class GenerationResult:
             num_accepted_tokens=int(counters.get("num_accepted_tokens", 0)),  # type: ignore[arg-type]
             accepted_per_position=[int(x) for x in counters.get("num_accepted_tokens_per_pos", [])],  # type: ignore[union-attr]
         )
+
+
+def top_two_gap(logprobs: dict) -> float:
+    """The chosen token's logprob minus the runner-up's, from one position's top-2 logprobs (vLLM's `Logprob`s)."""
+    ranked = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
 
 
 def engine_version() -> str:
@@ -198,6 +209,7 @@ def generate(
     max_model_len: int | None = None,
     ignore_eos: bool = True,
     enforce_eager: bool = True,
+    margins: bool = False,
 ) -> GenerationResult:
     """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given, or
     n-gram prompt lookup with `method="ngram"`."""
@@ -226,12 +238,15 @@ def generate(
             seed=0,
         )
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2 if margins else None
+            )
             token_prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
             labels = list(groups) if groups is not None else [""] * len(prompts)
             if len(labels) != len(prompts):
                 raise ValueError(f"{len(labels)} group labels for {len(prompts)} prompts")
             outputs: list[list[int]] = [[] for _ in prompts]
+            gaps: list[list[float]] = [[] for _ in prompts]
             by_group: dict[str, GenerationResult] = {}
             for label in dict.fromkeys(labels):
                 members = [i for i, g in enumerate(labels) if g == label]
@@ -242,15 +257,18 @@ def generate(
                 counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
                 by_group[label] = GenerationResult.from_counters([list(o.outputs[0].token_ids) for o in outs], counters)
                 by_group[label].seconds = seconds
-                for i, o in zip(members, by_group[label].outputs, strict=True):
-                    outputs[i] = o
+                for i, o in zip(members, outs, strict=True):
+                    outputs[i] = list(o.outputs[0].token_ids)
+                    gaps[i] = [top_two_gap(lp) for lp in o.outputs[0].logprobs or []] if margins else []
         finally:
             # Stop the engine's worker process now, so the next engine in this process gets the CPU and memory.
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
     whole = GenerationResult.merged(list(by_group.values()))
-    return replace(whole, outputs=outputs, by_group=by_group if groups is not None else {})
+    return replace(
+        whole, outputs=outputs, margins=gaps if margins else [], by_group=by_group if groups is not None else {}
+    )
 
 
 def generate_in_subprocess(
