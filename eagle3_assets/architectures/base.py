@@ -27,6 +27,22 @@ class MiniatureShape:
     max_position_embeddings: int
     mlp_ratio: int  # a dense MLP's width over hidden_size
 
+    def common_fields(self, *, rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False) -> dict[str, Any]:
+        """The config fields every miniature has in the same words: size, vocabulary, special ids, float32 (trained
+        so; `Architecture.served_dtype` says how it is saved)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": rms_norm_eps,
+            "tie_word_embeddings": tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": "float32",
+        }
+
 
 @dataclass(frozen=True)
 class Architecture:

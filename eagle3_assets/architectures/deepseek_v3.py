@@ -19,12 +19,9 @@ MLA_HEAD_DIM = 64  # qk_nope_head_dim and v_head_dim
 
 
 def miniature(s: MiniatureShape) -> dict[str, Any]:
-    return {
-        "vocab_size": s.vocab_size,
-        "hidden_size": s.hidden_size,
+    return s.common_fields() | {
         "intermediate_size": s.mlp_ratio * s.hidden_size,  # the dense first layer
         "moe_intermediate_size": s.hidden_size,
-        "num_hidden_layers": s.num_layers,
         "num_attention_heads": max(1, s.hidden_size // MLA_HEAD_DIM),
         "num_key_value_heads": max(1, s.hidden_size // MLA_HEAD_DIM),
         "q_lora_rank": s.hidden_size,
@@ -40,13 +37,6 @@ def miniature(s: MiniatureShape) -> dict[str, Any]:
         "routed_scaling_factor": 2.5,
         "norm_topk_prob": True,
         "first_k_dense_replace": 1,
-        "max_position_embeddings": s.max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "bos_token_id": s.bos_token_id,
-        "eos_token_id": s.eos_token_id,
-        "pad_token_id": s.pad_token_id,
-        "dtype": "float32",
     }
 
 

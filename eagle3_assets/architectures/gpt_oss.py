@@ -24,11 +24,8 @@ EXPERTS_PER_TOKEN = 2
 
 def miniature(s: MiniatureShape) -> dict[str, Any]:
     heads = max(1, s.hidden_size // HEAD_DIM)
-    return {
-        "vocab_size": s.vocab_size,
-        "hidden_size": s.hidden_size,
+    return s.common_fields(rms_norm_eps=1e-5) | {
         "intermediate_size": s.hidden_size,  # each expert's, as gpt-oss's (2880 and 2880)
-        "num_hidden_layers": s.num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
         "head_dim": HEAD_DIM,
@@ -48,12 +45,6 @@ def miniature(s: MiniatureShape) -> dict[str, Any]:
             "original_max_position_embeddings": ROPE_ORIGINAL_CONTEXT,
         },
         "max_position_embeddings": int(ROPE_ORIGINAL_CONTEXT * ROPE_FACTOR),
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "bos_token_id": s.bos_token_id,
-        "eos_token_id": s.eos_token_id,
-        "pad_token_id": s.pad_token_id,
-        "dtype": "float32",
     }
 
 

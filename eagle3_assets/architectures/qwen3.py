@@ -9,21 +9,11 @@ from eagle3_assets.architectures.base import Architecture, MiniatureShape
 
 def miniature(s: MiniatureShape) -> dict[str, Any]:
     heads = s.hidden_size // s.head_dim
-    return {
-        "vocab_size": s.vocab_size,
-        "hidden_size": s.hidden_size,
+    return s.common_fields(tie_word_embeddings=True) | {
         "intermediate_size": s.mlp_ratio * s.hidden_size,
-        "num_hidden_layers": s.num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
         "head_dim": s.head_dim,
-        "max_position_embeddings": s.max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "bos_token_id": s.bos_token_id,
-        "eos_token_id": s.eos_token_id,
-        "pad_token_id": s.pad_token_id,
-        "dtype": "float32",
     }
 
 
