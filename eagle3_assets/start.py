@@ -68,7 +68,7 @@ from eagle3_assets.defs.provenance import Staleness, StartDoor, why_due
 from eagle3_assets.defs.shards.assets import HIDDEN_STATES
 from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.errors import Eagle3Error
-from eagle3_assets.families import FAMILIES
+from eagle3_assets.families import FAMILIES, family_spec
 from eagle3_assets.leases import Lease
 from eagle3_assets.plan import APPROVE, Plan
 from eagle3_assets.processes import STOP_GRACE_S, stop_groups, terminate_with_parent
@@ -250,7 +250,7 @@ class GraphStart:
         settings = self.project.settings
         # Rolling: every family's trainer, each in a process of its own, all at once (each shard is released once
         # every family consumed it, so one waiting for another to finish would wait for ever).
-        rolling_trainers = {drafter_key(f) for f in settings.drafters} if settings.training.rolling else set()
+        rolling_trainers = {drafter_key(family_spec(f)) for f in settings.drafters} if settings.training.rolling else set()
         tried: set[Request] = set()
         failed: list[str] = []
         with ExitStack() as stack:

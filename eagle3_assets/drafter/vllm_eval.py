@@ -205,7 +205,7 @@ def generate(
     prompt_lookup_min: int | None = None,
     prompt_lookup_max: int | None = None,
     groups: Sequence[str] | None = None,
-    dtype: str = "auto",
+    dtype: str = "float32",
     max_model_len: int | None = None,
     ignore_eos: bool = True,
     enforce_eager: bool = True,
