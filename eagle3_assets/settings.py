@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eagle3_assets.architectures import ARCHITECTURES
 from eagle3_assets.errors import Refusal
 from eagle3_assets.families import DFLASH, EAGLE3, family_names, family_spec
+from eagle3_assets.start_from import StartFromSettings
 from eagle3_assets.storage_dtypes import StorageDtype
 
 if TYPE_CHECKING:
@@ -524,6 +525,7 @@ class Settings(_Section):
     approval: ApprovalSettings = ApprovalSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     demo: DemoSettings = DemoSettings()
+    start_from: StartFromSettings | None = None  # a published drafter as the first release (start_from.py)
 
     @field_validator("aux_layer_ids")
     @classmethod
