@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
-.PHONY: install ui-deps demo run test test-fast ui bench bench-demo bench-arch clean
+.PHONY: install ui-deps demo run test test-fast test-peer-import ui bench bench-demo bench-arch clean
 
 $(BIN)/.installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
@@ -53,6 +53,14 @@ test: install ui-deps
 # For iterating: no model training, no servers, no vLLM (the tests not marked slow): under 3 minutes.
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" eagle3_assets_tests
+
+# A drafter written by the real speculators package (PyPI 0.9.0) imports as the release and drafts exactly what
+# speculators' own forward drafts (test_drafter_import.py). speculators pins its own torch stack, so it runs from a
+# venv of its own, built here on first use (.peer/speculators/); `make test` runs the same import on a checkpoint
+# written in its layout by the test itself, and skips this one when that venv is absent.
+test-peer-import: install
+	bash benchmarks/peer/setup_speculators_venv.sh
+	$(BIN)/python -m pytest -q eagle3_assets_tests/test_drafter_import.py -k speculators_drafts
 
 ui: install
 	$(BIN)/python -m eagle3_assets.ui

@@ -4,8 +4,12 @@ drafter, becomes the release with its provenance, and every mismatch with the ta
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -15,14 +19,15 @@ from transformers import LlamaConfig
 
 from eagle3_assets.drafter.export import export_drafter, load_export
 from eagle3_assets.drafter.import_formats import ImportRefusal
-from eagle3_assets.drafter.imported_release import IMPORTED, install_release, start_from
+from eagle3_assets.drafter.continuation import continuation_plan, read_release
+from eagle3_assets.drafter.imported_release import install_release, start_from
 from eagle3_assets.drafter.importing import import_drafter
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, export_digest
 from eagle3_assets.settings import Settings, SettingsError, parse_settings
 from eagle3_assets.storage import ArtifactStore
 
-from .helpers import DRAFT_VOCAB, HEAD_DIM, HIDDEN, VOCAB, random_vocab_map, target_of, tiny_llama
+from .helpers import DRAFT_VOCAB, HIDDEN, REPO, VOCAB, random_vocab_map, target_of, tiny_llama
 
 NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
@@ -187,6 +192,12 @@ def test_the_release_records_where_it_came_from_and_is_never_replaced_by_an_impo
     assert record[IMPORTED]["source"] == src and record[IMPORTED]["format"] == "speculators"
     assert sorted(record[IMPORTED]["files"]) == ["config.json", "model.safetensors"]
     assert sorted(store.listdir(RELEASE_DIR)) == ["config.json", "model.safetensors", "release.json"]
+    # Not continued (yet): its map, shape and layers are its own, and it trained on none of the store's shards.
+    now = {"family": "eagle3", "target": "v1", "vocab_map": "m", "settings": {}, "shards": {"rows_0-20": "r"}}
+    assert continuation_plan(*read_release(store), now).reason == (
+        f"the release is a published drafter imported from {src} (speculators format), not trained on this store's "
+        "shards: a continuation starts only from a drafter trained here"
+    )
     # Again: the release is that import, and nothing of the source is read (it may be gone).
     (Path(source) / "model.safetensors").unlink()
     again = start_from(store, source + "/", tgt, target_version="v1")
@@ -396,3 +407,42 @@ def test_the_start_from_setting_names_the_drafter_and_its_format():
     assert str(e.value) == (
         "invalid settings in settings:\n  start_from.format: Input should be 'auto', 'eagle3' or 'speculators'"
     )
+
+
+# speculators pins its own stack, so it lives in a venv of its own (`make test-peer-import` builds it and runs this).
+SPECULATORS_PYTHON = Path(os.environ.get("EAGLE3_SPECULATORS_PYTHON", REPO / ".peer/speculators/bin/python"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SPECULATORS_PYTHON.exists(), reason=f"no speculators venv at {SPECULATORS_PYTHON}: "
+                    "`make test-peer-import` builds it (benchmarks/peer/setup_speculators_venv.sh)")  # fmt: skip
+def test_a_drafter_written_by_speculators_imports_and_drafts_what_speculators_drafts(target, tmp_path):
+    """The real package (PyPI 0.9.0) writes the checkpoint, as its trainer builds one; imported and released, our
+    drafter drafts exactly what speculators' own forward drafts on the same inputs, every TTT step."""
+    tgt, embed = target
+    vmap = random_vocab_map(seed=3)
+    np.save(tmp_path / "d2t.npy", vmap.d2t)
+    np.save(tmp_path / "t2d.npy", vmap.t2d)
+    out = tmp_path / "speculators"
+    subprocess.run(
+        [str(SPECULATORS_PYTHON), str(REPO / "benchmarks/peer/write_speculators_drafter.py"), "--target", str(tgt.path),
+         "--out", str(out), "--d2t", str(tmp_path / "d2t.npy"), "--t2d", str(tmp_path / "t2d.npy"),
+         "--aux-layer-ids", "1", "2", "3", "--reference", "48"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    store = ArtifactStore(tmp_path / "store")
+    done = start_from(store, str(out), tgt, target_version="v1")
+    record = store.read_json(RELEASE_RECORD)[IMPORTED]
+    assert done.installed and record["format"] == "speculators" and record["dropped"] == ["embed_tokens.weight"]
+    written = st_load((out / "model.safetensors").read_bytes())
+    released = st_load(store.read_bytes(f"{RELEASE_DIR}/model.safetensors"))
+    assert {k.replace("layers.0.", "midlayer.") for k in written} - {"embed_tokens.weight"} == set(released)
+    assert all(torch.equal(released[k.replace("layers.0.", "midlayer.")], t) for k, t in written.items()
+               if k != "embed_tokens.weight")  # fmt: skip
+    model, _ = load_export(store.local_path(RELEASE_DIR), embed)
+    ref = st_load((out / "reference.safetensors").read_bytes())
+    tokens = ref["aux"].shape[0]
+    with torch.no_grad():
+        logits = model(ref["input_ids"][None, :tokens], ref["aux"][None], 3)
+    for k, step in enumerate(logits):  # the last k + 1 indices read past our row's end: not compared
+        assert torch.equal(step[0, : tokens - 1 - k].argmax(-1), ref["draft_tokens"][k, : tokens - 1 - k]), k

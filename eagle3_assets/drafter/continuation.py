@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
-from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, export_digest
 from eagle3_assets.families import FamilySpec
 from eagle3_assets.provenance import settings_read
 from eagle3_assets.settings import Settings
@@ -101,6 +101,12 @@ def continuation_plan(
 
     if release is None:
         return scratch("nothing is released")
+    if imported := release.get(IMPORTED):
+        # Its vocab map, shape and layers are its own, and it trained on no shard of this store (`imported_release.py`).
+        return scratch(
+            f"the release is a published drafter imported from {imported.get('source')} ({imported.get('format')} "
+            "format), not trained on this store's shards: a continuation starts only from a drafter trained here"
+        )
     if released_on is None:
         return scratch(
             f"the release has no {TRAINED_ON_FILE} (released before exports recorded what they were trained on)"

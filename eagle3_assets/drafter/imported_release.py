@@ -21,14 +21,11 @@ from pathlib import Path
 from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, publish_export
 from eagle3_assets.drafter.import_formats import source_url
 from eagle3_assets.drafter.importing import Imported, import_drafter
-from eagle3_assets.drafter.release import RELEASE_DIR, RELEASE_RECORD
+from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.families import EAGLE3
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
-
-IMPORTED = "imported"  # release.json: where an imported release came from
-
 
 @dataclass(frozen=True)
 class Installed:

@@ -37,6 +37,7 @@ RELEASE_DIR = "drafter/release"
 RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
 RELEASE_ACCEPTANCE_BY_BIN = "acceptance_by_context_bin"  # in release.json, beside "acceptance"
 RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
+IMPORTED = "imported"  # in release.json of a published drafter imported as the release: where it came from
 # One promotion at a time decides and publishes: its lease lives beside the release, never in the directory it replaces.
 PROMOTION_LEASE_DIR = "drafter/promotion"
 
