@@ -153,6 +153,9 @@ def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
         family.eval_asset,
         _eval,
         parents=(family.drafter_asset, "prompts", "target_model"),
+        # A published drafter it installs as the release of a store with none, once (`imported_release.py`): what is
+        # released is in no eval's provenance, and a later `start_from` never replaces a release.
+        runs_with=(*SERVING, "start_from"),
         deps_apart=_EVAL_DEPS_APART,
         directory=f"{where}drafter_eval",
     )

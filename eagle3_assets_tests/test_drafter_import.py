@@ -20,10 +20,11 @@ from transformers import LlamaConfig
 from eagle3_assets.drafter.export import export_drafter, load_export
 from eagle3_assets.drafter.import_formats import ImportRefusal
 from eagle3_assets.drafter.continuation import continuation_plan, read_release
-from eagle3_assets.drafter.imported_release import install_release, start_from
+from eagle3_assets.drafter.imported_release import install_release, install_start_from, start_from
 from eagle3_assets.drafter.importing import import_drafter
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.provenance import Provenance, Record, write_record
 from eagle3_assets.settings import Settings, SettingsError, parse_settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -396,6 +397,18 @@ def test_pickled_weights_and_other_drafters_are_refused(target, tmp_path, eagle_
         "LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM, or a speculators config with speculators_model_type 'eagle3') "
         f"(file://{eagle_source}/config.json)"
     )
+
+
+def test_drafter_eval_installs_start_from_as_the_release_of_the_stores_target(target, tmp_path, spec_source):
+    """What `drafter_eval` calls before it serves the release beside a new export: the release is for the target
+    version the store's `target_model` record holds, so it is the baseline (`release.other_target`)."""
+    tgt, _ = target
+    store = ArtifactStore(tmp_path / "store")
+    write_record(store, Record(Provenance("target_model", {}, {}, 1), version="target-v7"))
+    settings = Settings(start_from={"drafter": spec_source, "format": "speculators"})
+    assert install_start_from(store, settings, tgt).installed
+    assert store.read_json(RELEASE_RECORD)["target"] == "target-v7"
+    assert not install_start_from(store, settings, tgt).installed
 
 
 def test_the_start_from_setting_names_the_drafter_and_its_format():

@@ -21,9 +21,10 @@ from pathlib import Path
 from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, publish_export
 from eagle3_assets.drafter.import_formats import source_url
 from eagle3_assets.drafter.importing import Imported, import_drafter
-from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD
+from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, target_version
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.families import EAGLE3
+from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
@@ -89,3 +90,13 @@ def start_from(
         return Installed(False, kept, store.url_of(RELEASE_DIR))
     imported = import_drafter(source, target, fmt=fmt, embed_tokens=lambda: load_target_weights(target).embed_tokens)
     return install_release(store, imported, target_version=target_version)
+
+
+def install_start_from(store: ArtifactStore, settings: Settings, target: TargetModel) -> Installed:
+    """The settings' `start_from` (set) applied, as `drafter_eval` does before it serves the release beside a new
+    export: the published drafter is the release of the store's target (`release.target_version`) unless one is
+    released."""
+    s = settings.start_from
+    if s is None:
+        raise ValueError("start_from is not set")
+    return start_from(store, s.drafter, target, target_version=target_version(store), fmt=s.format)

@@ -32,6 +32,7 @@ from eagle3_assets.defs.shards.checks import unusable_shards
 from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.imported_release import install_start_from
 from eagle3_assets.drafter.release import (
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
@@ -122,11 +123,16 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
         pool=GPU_POOL,
         kinds={"vllm"},
         description=f"The {family.name} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
-        "speculative tokens, and the features' share of it.",
+        "speculative tokens, and the features' share of it. With `start_from`, a store with no release first gets the "
+        "published drafter as its release, served beside the export as the bar the gate holds.",
     )
     def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
         with failures():
             want = Staleness(project).expected(name)
+            if project.settings.start_from is not None:  # under the promotion lease: one writer of the release
+                with Lease(project.store, PROMOTION_LEASE_DIR, context.run.run_id):
+                    started = install_start_from(project.store, project.settings, project.target())
+                context.log.info(f"start_from: {started.reason}")
             report = evaluate_drafter(
                 project.store, project.target(), project.settings, log=context.log.info, family=family
             )
