@@ -85,9 +85,10 @@ def eagle_layout(directory: Path, model: Eagle3Drafter, embed: torch.Tensor, **c
 
 
 def speculators_layout(directory: Path, model: Eagle3Drafter, embed: torch.Tensor, **config) -> str:
-    """speculators 0.9.0's layout as its source reads (`Eagle3SpeculatorConfig`, `save_pretrained`): the layer's
+    """speculators 0.9.0's layout, as its `save_pretrained` wrote it in `write_speculators_drafter.py`: the layer's
     config as transformers' diff against its defaults (with the 2048-token sliding window its trainer sets by default),
-    `layers.0.*`, the embedding, and `d2t`/`t2d` only for a reduced draft vocab."""
+    `layers.0.*`, the embedding, and `d2t`/`t2d` only for a reduced draft vocab (the real package's own checkpoint:
+    `test_a_drafter_written_by_speculators_…`)."""
     cfg = model.config
     layer = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -96,7 +97,8 @@ def speculators_layout(directory: Path, model: Eagle3Drafter, embed: torch.Tenso
         sliding_window=2048, use_sliding_window=True, layer_types=["sliding_attention"],
     ).to_diff_dict()  # fmt: skip
     body = {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+        "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
         "draft_vocab_size": cfg.draft_vocab_size, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
         "embed_requires_grad": False, "fc_norm": False, "target_hidden_size": None,
         **{f: getattr(cfg, f) for f in NORMS},

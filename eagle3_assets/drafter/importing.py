@@ -95,7 +95,8 @@ def import_drafter(url: str, target: TargetModel, *, fmt: str = "auto", embed_to
 
 def check_declared(decl: Declared, target: TargetModel, where: str) -> list[int]:
     """Refuse a config that does not fit `target` (module docstring); returns the aux layer ids it reads."""
-    for name, value in decl.unsupported:
+    if decl.unsupported:
+        name, value = decl.unsupported[0]
         raise ImportRefusal(
             f"imported drafter: {name} is {value!r}, which this project's EAGLE-3 drafter does not have (one Llama "
             f"layer, no biases, one norm over the fused features) ({where})"
