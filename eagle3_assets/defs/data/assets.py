@@ -38,6 +38,7 @@ from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version, unknown_target_files
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
+from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, LoggedReplies, read_replies
 from eagle3_assets.tokenized import (
     PLAN_SETTINGS,
     TOKENIZED_FILE,
@@ -196,7 +197,9 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
     with failures():
         want = Staleness(project).expected("responses")
         store.check_writable(PARTS_DIR)  # before the model loads: on a large target that takes minutes
-        rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
+        # With `traffic` set, the prompts and the log's training prompts (`traffic_prompts`), each where it was.
+        source = TRAFFIC_PROMPTS_FILE if settings.traffic is not None else PROMPTS_FILE
+        rows = parse_prompts(store.read_text(source), store.url_of(source))
         target = project.target()
         tokenizer = load_tokenizer(target)
         renderer = Renderer(
@@ -210,6 +213,8 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         )
         check_template_kwargs(tokenizer, rows, settings.generation.chat_template_kwargs)  # before the model loads
         generator = open_generator(target, settings.generation, settings.vllm)
+        if settings.traffic is not None:  # the target's own greedy replies, logged, stand for generating them
+            generator = LoggedReplies(generator, read_replies(store), settings.generation.max_new_tokens)
         try:
             summary = generate_responses(
                 store,
@@ -244,6 +249,7 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
             "given_up": MetadataValue.md("\n".join(f"- {e}" for e in summary.given_up) or "none"),
             "backend": generator.name,
+            **({"rows_from_logged_replies": generator.served} if isinstance(generator, LoggedReplies) else {}),
             "reasoning_format": renderer.reasoning,
             "path": store.url_of(RESPONSES_FILE),
         }
