@@ -181,8 +181,10 @@ ARTIFACTS: dict[str, Artifact] = {
             "responses",
             _responses,
             parents=_responses_parents,
+            # `traffic` only chooses which prompt set it reads: that set is a parent (`traffic_prompts`), and a row is
+            # stamped without it (`responses.made_by`), so turning it on or moving the log regenerates no row.
             runs_with=(*SERVING, "generation.backend", "generation.batch_size", "generation.rows_per_part",
-                       "generation.max_error_rate", "generation.max_row_attempts"),
+                       "generation.max_error_rate", "generation.max_row_attempts", "traffic"),
         ),  # fmt: skip
         Artifact(
             "tokenized",

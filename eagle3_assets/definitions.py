@@ -7,7 +7,6 @@ under $EAGLE3_ROOT; bad settings fail here, at load, with the field named.
 import warnings
 
 from dagster import (
-    AssetDep,
     AssetSelection,
     AutomationConditionSensorDefinition,
     DagsterInstance,
@@ -46,9 +45,7 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
     )
     # With `traffic` set, `responses` generates from the set `traffic_prompts` writes; unset, neither changes.
     traffic = [traffic_prompts] if settings.traffic is not None else []
-    responses = data.responses.map_asset_specs(
-        lambda spec: spec.replace_attributes(deps=[*spec.deps, *(AssetDep(a.key) for a in traffic)])
-    )
+    responses = data.responses_asset(*(a.key for a in traffic)) if traffic else data.responses
     # Everything after the roots follows its inputs under the daemon's `pipeline` sensor.
     followers = [
         a.with_attributes(automation_condition=data_condition(project, door))

@@ -90,6 +90,10 @@ def prompt_hash(messages: Sequence[Mapping[str, Any]], own_kwargs: Mapping[str, 
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def traffic_id(messages: Sequence[Mapping[str, Any]], own_kwargs: Mapping[str, Any]) -> str:
+    return f"traffic-{prompt_hash(messages, own_kwargs)[:16]}"
+
+
 def is_heldout(hash_hex: str, share: float) -> bool:
     return int(hash_hex[:15], 16) / 16**15 < share
 
@@ -112,9 +116,15 @@ class TrafficBuild:
 
     def build(
         self, calls: Sequence[LoggedCall], dropped: Sequence[Dropped], lines: int, files: list[str],
-        base: Sequence[Prompt], base_heldout: Sequence[Prompt],
+        base: Sequence[Prompt], base_heldout: Sequence[Prompt], kept_before: Mapping[str, str] | None = None,
     ) -> TrafficResult:  # fmt: skip
-        """Every call kept (train or held out) or dropped, with why (`dropped` holds the lines already dropped)."""
+        """Every call kept (train or held out) or dropped, with why (`dropped` holds the lines already dropped).
+
+        Of the calls of one prompt the first is kept, but the one kept the last time (`kept_before`: id -> file:line,
+        `kept_lines`) goes first while it is there: the log is only appended to, so that line decides the prompt's
+        reply as it did, and a new file sorting before the old ones changes no row already made."""
+        before = kept_before or {}
+        calls = sorted(calls, key=lambda c: before.get(traffic_id(c.messages, c.chat_template_kwargs)) != c.where)
         known = {_same_prompt_key(p.messages, p.template_kwargs(self.run_kwargs)): f"a training prompt of `prompts` already (id {p.id})"
                  for p in base}  # fmt: skip
         known |= {
@@ -139,7 +149,8 @@ class TrafficBuild:
         self, call: LoggedCall, known: dict[str, str], ids: set[str], seen: dict[str, str], modes: dict[str, str | None]
     ) -> TrafficRow:
         h = prompt_hash(call.messages, call.chat_template_kwargs)
-        prompt = Prompt(f"traffic-{h[:16]}", call.messages, {}, dict(call.chat_template_kwargs), call.where)
+        prompt = Prompt(traffic_id(call.messages, call.chat_template_kwargs), call.messages, {},
+                        dict(call.chat_template_kwargs), call.where)  # fmt: skip
         kwargs = prompt.template_kwargs(self.run_kwargs)
         try:
             text, unrenderable = render_text(self.tokenizer, call.messages, kwargs), None
@@ -227,6 +238,13 @@ def prompt_set_now(store: ArtifactStore, result: TrafficResult, base: Sequence[P
     """The set `write_traffic` writes (and `--plan` counts): ordered by the one the store holds."""
     previous = [p.id for p in read_prompt_set(store)] if store.exists(TRAFFIC_PROMPTS_FILE) else []
     return generation_set(base, result.train, previous)
+
+
+def kept_lines(store: ArtifactStore) -> dict[str, str]:
+    """Each prompt's call kept the last time, by id: file:line (`TrafficBuild.build`'s `kept_before`)."""
+    if not store.exists(TRAFFIC_REPORT_FILE):
+        return {}
+    return {r["id"]: r["where"] for r in store.read_json(TRAFFIC_REPORT_FILE).get("rows", [])}
 
 
 def read_prompt_set(store: ArtifactStore) -> list[Prompt]:

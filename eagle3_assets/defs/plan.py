@@ -51,7 +51,7 @@ from eagle3_assets.responses import RowStamps, made_by, rows_to_generate
 from eagle3_assets.shard_window import read_consumed
 from eagle3_assets.shards import Shard
 from eagle3_assets.target import load_tokenizer
-from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, TrafficBuild, prompt_set_now, read_prompt_set
+from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, TrafficBuild, kept_lines, prompt_set_now, read_prompt_set
 from eagle3_assets.traffic_log import read_log
 
 FAMILY_OF = {f.drafter_asset: f for f in FAMILIES.values()}  # by its drafter asset
@@ -262,7 +262,8 @@ class Planner:
             load_tokenizer(target), target.vocab_size, settings.generation.chat_template_kwargs, settings.max_seq_len,
             settings.traffic.heldout_share, settings.traffic.model, settings.generation.temperature,
         )  # fmt: skip
-        return prompt_set_now(store, judge.build(*read_log(settings.traffic.log), base, eval_prompts), base)
+        result = judge.build(*read_log(settings.traffic.log), base, eval_prompts, kept_lines(store))
+        return prompt_set_now(store, result, base)
 
     def _base_prompts_now(self) -> list[Prompt]:
         settings, store = self.project.settings, self.project.store

@@ -10,6 +10,8 @@ import fsspec
 import numpy as np
 from dagster import (
     AssetExecutionContext,
+    AssetKey,
+    AssetsDefinition,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -190,9 +192,20 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
     )
 
 
-@asset(group_name=GROUP, deps=[prompts, target_model], pool="gpu", kinds={"jsonl"})
-def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
+def responses_asset(*after: AssetKey) -> AssetsDefinition:
+    """`responses`, after the inputs `after` too (`traffic_prompts`, with `traffic` set). Declared here, not added
+    to the definition later: Dagster 1.13's `map_asset_specs` adds a dep to the graph but not to the op's inputs, so
+    a run could start it before that input."""
+
+    @asset(name="responses", group_name=GROUP, deps=[prompts, target_model, *after], pool="gpu", kinds={"jsonl"})
+    def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+        """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
+        return _responses(context, project)
+
+    return responses
+
+
+def _responses(context: AssetExecutionContext, project: Project) -> MaterializeResult:
     store, settings = project.store, project.settings
     with failures():
         want = Staleness(project).expected("responses")
@@ -254,6 +267,9 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             "path": store.url_of(RESPONSES_FILE),
         }
     )
+
+
+responses = responses_asset()
 
 
 @asset(group_name=GROUP, deps=[responses, target_model], kinds={"safetensors"})

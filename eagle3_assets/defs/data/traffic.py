@@ -20,6 +20,7 @@ from eagle3_assets.traffic import (
     TRAFFIC_REPORT_FILE,
     TrafficBuild,
     TrafficResult,
+    kept_lines,
     write_traffic,
 )
 from eagle3_assets.traffic_log import read_log
@@ -47,7 +48,7 @@ def traffic_prompts(context: AssetExecutionContext, project: ResourceParam[Proje
             load_tokenizer(target), target.vocab_size, settings.generation.chat_template_kwargs, settings.max_seq_len,
             traffic.heldout_share, traffic.model, settings.generation.temperature,
         )  # fmt: skip
-        result = judge.build(calls, dropped, lines, files, base, heldout)
+        result = judge.build(calls, dropped, lines, files, base, heldout, kept_lines(store))
         prompt_set, written = write_traffic(store, result, base)
     if result.dropped:
         context.log.warning(
