@@ -99,7 +99,9 @@ def is_heldout(hash_hex: str, share: float) -> bool:
 
 
 def _same_prompt_key(messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]) -> str:
-    return json.dumps([list(messages), dict(kwargs)], sort_keys=True, ensure_ascii=False)
+    # By role and text, as a log line's messages are kept: a prompt file's other message fields make no other prompt.
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return json.dumps([turns, dict(kwargs)], sort_keys=True, ensure_ascii=False)
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,8 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
 
 def responses_asset(*after: AssetKey) -> AssetsDefinition:
     """`responses`, after the inputs `after` too (`traffic_prompts`, with `traffic` set). Declared here, not added
-    to the definition later: Dagster 1.13's `map_asset_specs` adds a dep to the graph but not to the op's inputs, so
-    a run could start it before that input."""
+    to the definition later: Dagster 1.13's `map_asset_specs` adds the dep to the asset graph and an input to the op,
+    but does not tie that input to the asset, so a run could start `responses` before it."""
 
     @asset(name="responses", group_name=GROUP, deps=[prompts, target_model, *after], pool="gpu", kinds={"jsonl"})
     def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
