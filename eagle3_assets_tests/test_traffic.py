@@ -327,3 +327,27 @@ def test_without_traffic_the_graph_is_as_it_was(tmp_path):
     assert AssetKey("traffic_prompts") not in graph.get_all_asset_keys()
     assert graph.get(AssetKey("responses")).parent_keys == {AssetKey("prompts"), AssetKey("target_model")}
     assert expected("responses", Inputs(tiny_settings(), ArtifactStore(tmp_path))).inputs.keys() == {"prompts", "target_model"}
+
+
+def test_a_log_is_read_through_fsspec_as_a_glob_of_gzipped_files_and_a_missing_one_names_the_setting(tokenizer):
+    import gzip
+
+    import fsspec
+
+    from eagle3_assets.traffic_log import TrafficLogError, log_files
+
+    fs = fsspec.filesystem("memory")
+    for name, prompt in [("2026-12-02", "Where is Ulla?"), ("2026-12-01", "Who founded Arvel?")]:
+        fs.pipe(f"/traffic-test/{name}.jsonl.gz", gzip.compress((call(tokenizer, prompt) + "\n").encode()))
+    fs.pipe("/traffic-test/notes.txt", b"not a log")
+    url = "memory://traffic-test/*.jsonl.gz"
+    assert log_files(url) == ["memory:///traffic-test/2026-12-01.jsonl.gz", "memory:///traffic-test/2026-12-02.jsonl.gz"]
+    calls, dropped, lines, _ = read_log(url)
+    assert ([c.where for c in calls], [c.messages[0]["content"] for c in calls], dropped, lines) == (
+        ["memory:///traffic-test/2026-12-01.jsonl.gz:1", "memory:///traffic-test/2026-12-02.jsonl.gz:1"],
+        ["Who founded Arvel?", "Where is Ulla?"], [], 2,
+    )  # fmt: skip
+    with pytest.raises(TrafficLogError, match=r"^traffic.log: no file at memory://traffic-test/\*.jsonl \(name a JSONL "
+                       r"file, a directory of them or a glob\)$"):  # fmt: skip
+        log_files("memory://traffic-test/*.jsonl")
+    fs.rm("/traffic-test", recursive=True)
