@@ -87,6 +87,16 @@ def _prompts(s: Settings) -> tuple[str, ...]:
     return ("demo.num_prompts", "demo.seed") + (("eval_prompts",) if s.eval_prompts is not None else ())
 
 
+def _traffic(_: Settings) -> tuple[str, ...]:
+    # What `responses` renders with and keeps a row of: the log's prompts are judged by the same rules.
+    return ("traffic", "max_seq_len", "generation.chat_template_kwargs", "generation.temperature")
+
+
+def _responses_parents(s: Settings) -> tuple[str, ...]:
+    # With `traffic` set, `responses` generates from the set `traffic_prompts` writes (the prompts and the log's).
+    return ("prompts", "target_model") + (("traffic_prompts",) if s.traffic is not None else ())
+
+
 def _target_model(s: Settings) -> tuple[str, ...]:
     return ("demo",) if s.is_demo else ("target_model", "trust_remote_code")
 
@@ -168,12 +178,16 @@ ARTIFACTS: dict[str, Artifact] = {
         Artifact("prompts", _prompts),
         # Checked against the target as it is validated, never changing its files.
         Artifact("target_model", _target_model, runs_with=(*SERVING, "extraction.storage_dtype", "generation.reasoning")),
+        # Only in the graph with `traffic` set (`definitions.py`): its own records, nothing else's, change with it.
+        Artifact("traffic_prompts", _traffic, parents=("prompts", "target_model")),
         Artifact(
             "responses",
             _responses,
-            parents=("prompts", "target_model"),
+            parents=_responses_parents,
+            # `traffic` only chooses which prompt set it reads: that set is a parent (`traffic_prompts`), and a row is
+            # stamped without it (`responses.made_by`), so turning it on or moving the log regenerates no row.
             runs_with=(*SERVING, "generation.backend", "generation.batch_size", "generation.rows_per_part",
-                       "generation.max_error_rate", "generation.max_row_attempts"),
+                       "generation.max_error_rate", "generation.max_row_attempts", "traffic"),
         ),  # fmt: skip
         Artifact(
             "tokenized",

@@ -18,6 +18,7 @@ from dagster import (
 from eagle3_assets.defs.data import assets as data
 from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.data.automation import data_condition
+from eagle3_assets.defs.data.traffic import traffic_prompts
 from eagle3_assets.defs.drafter import assets as drafter
 from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.due import root_condition
@@ -42,10 +43,13 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
     hidden_states = hidden_states_asset(settings.extraction).with_attributes(
         automation_condition=shard_backfill_condition(cron, project, door)
     )
+    # With `traffic` set, `responses` generates from the set `traffic_prompts` writes; unset, neither changes.
+    traffic = [traffic_prompts] if settings.traffic is not None else []
+    responses = data.responses_asset(*(a.key for a in traffic)) if traffic else data.responses
     # Everything after the roots follows its inputs under the daemon's `pipeline` sensor.
     followers = [
         a.with_attributes(automation_condition=data_condition(project, door))
-        for a in (data.responses, data.tokenized, data.token_freq, data.vocab_map)
+        for a in (*traffic, responses, data.tokenized, data.token_freq, data.vocab_map)
     ] + [
         asset
         for family in map(family_spec, settings.drafters)

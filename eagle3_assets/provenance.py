@@ -2,9 +2,9 @@
 
 Every asset's artifact is tied to exactly what determines its content (docs/DESIGN.md §9):
 - the settings fields that determine its content (`artifacts.py`, each asset's `reads`), and nothing else;
-- its inputs' versions: each parent's recorded data version, and for the roots the content of
-  what they read from outside (the prompt files; the target's content identity, `target_identity`: the
-  sha256 of every file that determines what it computes and how it tokenizes);
+- its inputs' versions: each parent's recorded data version, and for the roots (and `traffic_prompts`) the content
+  of what they read from outside (the prompt files; the request log; the target's content identity,
+  `target_identity`: the sha256 of every file that determines what it computes and how it tokenizes);
 - a code revision (its `code` there), raised when a change of code changes what the asset makes.
 
 `Provenance.made_from` hashes those; the record beside the artifact (`_PROVENANCE.json`) keeps the
@@ -359,6 +359,10 @@ class Inputs:
                 self._outside[name] = source_digest(s.prompts)
             elif name == "eval prompts file":
                 self._outside[name] = source_digest(s.eval_prompts)
+            elif name == "traffic log":
+                from eagle3_assets.traffic import log_digest  # it reads records through this module
+
+                self._outside[name] = log_digest(s.traffic.log) if s.traffic is not None else "none"
             elif name == "target files":
                 # The demo target is made from its settings alone (`settings_read`).
                 self._outside[name] = target_identity(s.target_model, s.trust_remote_code) if s.target_model else "demo"
@@ -403,6 +407,8 @@ def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Proven
         versions["eval prompts file"] = inputs.outside("eval prompts file")
     elif asset == "target_model" and not s.is_demo:
         versions["target files"] = inputs.outside("target files")
+    elif asset == "traffic_prompts":
+        versions["traffic log"] = inputs.outside("traffic log")
     elif asset == "hidden_states":
         if partition is None:
             raise ValueError("hidden_states provenance is per shard")

@@ -21,6 +21,7 @@ from eagle3_assets.errors import Refusal
 from eagle3_assets.families import DFLASH, EAGLE3, family_names, family_spec
 from eagle3_assets.start_from import StartFromSettings
 from eagle3_assets.storage_dtypes import StorageDtype
+from eagle3_assets.traffic_settings import TrafficSettings
 
 if TYPE_CHECKING:
     from eagle3_assets.target import TargetModel
@@ -492,6 +493,7 @@ class Settings(_Section):
     eval_prompts: str | None = Field(
         None, description="JSONL of held-out prompts for drafter_eval, never used in training; None = demo's"
     )
+    traffic: TrafficSettings | None = Field(None, description="prompts from a request log (traffic_settings.py)")
     shard_size: int = Field(2000, ge=1, description="rows per hidden-state shard")
     aux_layer_ids: list[int] | None = Field(
         None, description="aux layers, 'input of layer i' ids; default [2, N//2, N-3]"

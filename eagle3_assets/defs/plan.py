@@ -45,11 +45,14 @@ from eagle3_assets.families import FAMILIES
 from eagle3_assets.figures import duration, size
 from eagle3_assets.plan import APPROVE, LATER, NO_PAST, Approval, Cost, Plan, Rate, Step, over_limit
 from eagle3_assets.project import Project
-from eagle3_assets.prompts import PROMPTS_FILE, Prompt, decode_prompts, parse_prompts
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, Prompt, decode_prompts, parse_prompts
 from eagle3_assets.provenance import ProvenanceError, data_version, digest
 from eagle3_assets.responses import RowStamps, made_by, rows_to_generate
 from eagle3_assets.shard_window import read_consumed
 from eagle3_assets.shards import Shard
+from eagle3_assets.target import load_tokenizer
+from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, TrafficBuild, kept_lines, prompt_set_now, read_prompt_set
+from eagle3_assets.traffic_log import read_log
 
 FAMILY_OF = {f.drafter_asset: f for f in FAMILIES.values()}  # by its drafter asset
 DRAFTERS = frozenset(FAMILY_OF)
@@ -245,7 +248,24 @@ class Planner:
         return [r.asset_materialization.metadata for r in self._shard_records()]
 
     def _prompts_now(self) -> list[Prompt]:
-        """The prompts `responses` will read: the source's when `prompts` runs first, else the store's copy."""
+        """The prompts `responses` will read: the source's when `prompts` runs first, else the store's copy; with
+        `traffic` set, and the log's training prompts (the store's set, or the one `traffic_prompts` will write)."""
+        settings, store = self.project.settings, self.project.store
+        base = self._base_prompts_now()
+        if settings.traffic is None:
+            return base
+        if why_due(self.instance, self.staleness, AssetKey("traffic_prompts")) is None and store.exists(TRAFFIC_PROMPTS_FILE):
+            return read_prompt_set(store)
+        target = self.project.target()
+        eval_prompts = parse_prompts(store.read_text(EVAL_PROMPTS_FILE), EVAL_PROMPTS_FILE) if store.exists(EVAL_PROMPTS_FILE) else []
+        judge = TrafficBuild(
+            load_tokenizer(target), target.vocab_size, settings.generation.chat_template_kwargs, settings.max_seq_len,
+            settings.traffic.heldout_share, settings.traffic.model, settings.generation.temperature,
+        )  # fmt: skip
+        result = judge.build(*read_log(settings.traffic.log), base, eval_prompts, kept_lines(store))
+        return prompt_set_now(store, result, base)
+
+    def _base_prompts_now(self) -> list[Prompt]:
         settings, store = self.project.settings, self.project.store
         if why_due(self.instance, self.staleness, AssetKey("prompts")) is None and store.exists(PROMPTS_FILE):
             return parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
@@ -322,12 +342,14 @@ def toward(project: Project, staleness: Staleness) -> str:
     """What the graph is being made from: each asset's settings and code (its code version) and the outside files the
     roots read (the prompt file, the target). An approval holds while this stays the same (`Approval.covers`)."""
     roots = {}
-    for root in ROOTS:
+    # `traffic_prompts` reads the request log from outside: an append is another plan. Unset, nothing changes.
+    for root in ROOTS + (("traffic_prompts",) if project.settings.traffic is not None else ()):
         try:
             roots[root] = staleness.expected(root).made_from
         except ProvenanceError as e:  # an outside file gone: the plan says so too, and a new one is another plan
             roots[root] = str(e)
-    return digest({"code": {a: code_version(a, project.settings) for a in ARTIFACTS}, "roots": roots})
+    code = {a: code_version(a, project.settings) for a in ARTIFACTS if a != "traffic_prompts" or project.settings.traffic}
+    return digest({"code": code, "roots": roots})
 
 
 class Verdict(NamedTuple):

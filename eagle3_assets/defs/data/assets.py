@@ -10,6 +10,8 @@ import fsspec
 import numpy as np
 from dagster import (
     AssetExecutionContext,
+    AssetKey,
+    AssetsDefinition,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -38,6 +40,7 @@ from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version, unknown_target_files
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
+from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, LoggedReplies, read_replies
 from eagle3_assets.tokenized import (
     PLAN_SETTINGS,
     TOKENIZED_FILE,
@@ -189,14 +192,27 @@ def target_model(context: AssetExecutionContext, project: ResourceParam[Project]
     )
 
 
-@asset(group_name=GROUP, deps=[prompts, target_model], pool="gpu", kinds={"jsonl"})
-def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
-    """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
+def responses_asset(*after: AssetKey) -> AssetsDefinition:
+    """`responses`, after the inputs `after` too (`traffic_prompts`, with `traffic` set). Declared here, not added
+    to the definition later: Dagster 1.13's `map_asset_specs` adds the dep to the asset graph and an input to the op,
+    but does not tie that input to the asset, so a run could start `responses` before it."""
+
+    @asset(name="responses", group_name=GROUP, deps=[prompts, target_model, *after], pool="gpu", kinds={"jsonl"})
+    def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
+        """The target's answer to every prompt, as the token ids it generated; resumable part by part."""
+        return _responses(context, project)
+
+    return responses
+
+
+def _responses(context: AssetExecutionContext, project: Project) -> MaterializeResult:
     store, settings = project.store, project.settings
     with failures():
         want = Staleness(project).expected("responses")
         store.check_writable(PARTS_DIR)  # before the model loads: on a large target that takes minutes
-        rows = parse_prompts(store.read_text(PROMPTS_FILE), store.url_of(PROMPTS_FILE))
+        # With `traffic` set, the prompts and the log's training prompts (`traffic_prompts`), each where it was.
+        source = TRAFFIC_PROMPTS_FILE if settings.traffic is not None else PROMPTS_FILE
+        rows = parse_prompts(store.read_text(source), store.url_of(source))
         target = project.target()
         tokenizer = load_tokenizer(target)
         renderer = Renderer(
@@ -210,6 +226,8 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
         )
         check_template_kwargs(tokenizer, rows, settings.generation.chat_template_kwargs)  # before the model loads
         generator = open_generator(target, settings.generation, settings.vllm)
+        if settings.traffic is not None:  # the target's own greedy replies, logged, stand for generating them
+            generator = LoggedReplies(generator, read_replies(store), settings.generation.max_new_tokens)
         try:
             summary = generate_responses(
                 store,
@@ -244,10 +262,14 @@ def responses(context: AssetExecutionContext, project: ResourceParam[Project]) -
             "first_errors": MetadataValue.md("\n".join(f"- {e}" for e in summary.first_errors) or "none"),
             "given_up": MetadataValue.md("\n".join(f"- {e}" for e in summary.given_up) or "none"),
             "backend": generator.name,
+            **({"rows_from_logged_replies": generator.served} if isinstance(generator, LoggedReplies) else {}),
             "reasoning_format": renderer.reasoning,
             "path": store.url_of(RESPONSES_FILE),
         }
     )
+
+
+responses = responses_asset()
 
 
 @asset(group_name=GROUP, deps=[responses, target_model], kinds={"safetensors"})
