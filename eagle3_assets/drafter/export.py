@@ -263,18 +263,24 @@ def publish_export(
     return store.url_of(rel)
 
 
+def exported_config(config: dict[str, Any], where: str | Path) -> DrafterConfig:
+    """The drafter an export's `config.json` describes (`export_config`'s inverse, its context as written)."""
+    # config.json is an HF Llama config, the shape the drafter takes from its target.
+    cfg = DrafterConfig.from_target(
+        TargetModel.from_config(config, path=where), draft_vocab_size=config["draft_vocab_size"],
+        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
+    )  # fmt: skip
+    if cfg.mla:  # the MLA form says norm_before_fc as `fc_norm`
+        cfg = replace(cfg, norm_before_fc=bool(config.get("fc_norm")))
+    return cfg
+
+
 def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Drafter, list[int]]:
     """(drafter with float32 weights, its aux layer ids) from an export, as an engine would
     see it; `embed_tokens` is the target's embedding (any dtype), which exports leave out."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
-    # config.json is an HF Llama config, the shape the drafter takes from its target.
-    cfg = DrafterConfig.from_target(
-        TargetModel.from_config(config, path=export_dir), draft_vocab_size=config["draft_vocab_size"],
-        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
-    )  # fmt: skip
-    if cfg.mla:  # the MLA form says norm_before_fc as `fc_norm`
-        cfg = replace(cfg, norm_before_fc=bool(config.get("fc_norm")))
+    cfg = exported_config(config, export_dir)
     tensors = load_file(str(export_dir / "model.safetensors"))
     problems = export_problems(tensors, cfg)
     if problems:

@@ -117,12 +117,18 @@ class Eagle3(_Specified):
         self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int], seed: int,
         intermediate_size: int | None,
     ) -> Eagle3Drafter:
+        cfg = self.drafter_config(target, vmap, intermediate_size)
+        return build_drafter(cfg, weights, vmap, seed, train_lm_head=self.settings.train_lm_head)
+
+    def drafter_config(
+        self, target: TargetModel, vmap: VocabMap, intermediate_size: int | None = None
+    ) -> DrafterConfig:
+        """The shape and norms `build` gives the drafter: an imported release is continued only into this one."""
         s = self.settings
-        cfg = DrafterConfig.from_target(
+        return DrafterConfig.from_target(
             target, draft_vocab_size=len(vmap.d2t), intermediate_size=intermediate_size,
             norm_before_fc=s.norm_before_fc, norm_before_residual=s.norm_before_residual, norm_output=s.norm_output,
         )  # fmt: skip
-        return build_drafter(cfg, weights, vmap, seed, train_lm_head=s.train_lm_head)
 
     def objective(self, model: nn.Module, batch: Batch, targets: Targets, step: int | None) -> TTTOutput:
         s = self.settings
