@@ -55,10 +55,12 @@ VLLM_EXTRACTION = ("vllm.dtype", "vllm.extra_args")
 # left out of the provenance (`provenance.settings_read`), so an upgrade leaves a store made with it current, and a
 # record holding it at another value names it ("setting vllm.dtype: (unset) -> \"float32\"").
 # The continuation settings (issue 45) are left out at their defaults too: a store's vocab map is the fresh map of its
-# counts, which the default margin keeps, and a drafter trained before continued from nothing.
+# counts, which the default margin keeps, and a drafter trained before continued from nothing; with `start_from`
+# unset, no release is imported, and the map is its counts' as before.
 RECORDED_SINCE: dict[str, object] = {
     "vllm.dtype": "auto", "vllm.extra_args": [], "vllm.max_model_len": None, "vocab_map_keep_margin": 0.005,
     "training.replay_rows": None, "training.continue_fraction": 0.25, "evaluation.replace_release_for_target": None,
+    "start_from": None,
 }  # fmt: skip
 
 
@@ -196,7 +198,10 @@ ARTIFACTS: dict[str, Artifact] = {
             deps_apart={"target_model": "the tokenizer is the one `responses` recorded its rows with"},
         ),
         Artifact("token_freq", lambda _: (), parents=("tokenized", "target_model")),
-        Artifact("vocab_map", lambda _: ("draft_vocab_size", "vocab_map_keep_margin"), parents=("token_freq",)),
+        # `start_from`: while the release is the published drafter it imports, the map is that drafter's own.
+        Artifact(
+            "vocab_map", lambda _: ("draft_vocab_size", "vocab_map_keep_margin", "start_from"), parents=("token_freq",)
+        ),
         Artifact(
             "hidden_states",
             _hidden_states,

@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 
 from eagle3_assets.drafter.export import export_drafter, load_export
 from eagle3_assets.drafter.import_formats import ImportRefusal
-from eagle3_assets.drafter.continuation import continuation_plan, read_release
+from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_plan, read_release
 from eagle3_assets.drafter.imported_release import install_release, install_start_from, start_from
 from eagle3_assets.drafter.importing import import_drafter
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
@@ -195,12 +195,12 @@ def test_the_release_records_where_it_came_from_and_is_never_replaced_by_an_impo
     assert record[IMPORTED]["source"] == src and record[IMPORTED]["format"] == "speculators"
     assert sorted(record[IMPORTED]["files"]) == ["config.json", "model.safetensors"]
     assert sorted(store.listdir(RELEASE_DIR)) == ["config.json", "model.safetensors", "release.json"]
-    # Not continued (yet): its map, shape and layers are its own, and it trained on none of the store's shards.
+    # Continued on every shard when its weights load into the drafter trained now (test_drafter_import_continue.py).
     now = {"family": "eagle3", "target": "v1", "vocab_map": "m", "settings": {}, "shards": {"rows_0-20": "r"}}
-    assert continuation_plan(*read_release(store), now).reason == (
-        f"the release is a published drafter imported from {src} (speculators format), not trained on this store's "
-        "shards: a continuation starts only from a drafter trained here"
-    )
+    assert continuation_plan(*read_release(store), now, []) == ContinuationPlan(
+        True, "", record["export_sha256"], [], ["rows_0-20"],
+        imported={"source": src, "format": "speculators", "sha256": digest},
+    )  # fmt: skip
     # Again: the release is that import, and nothing of the source is read (it may be gone).
     (Path(source) / "model.safetensors").unlink()
     again = start_from(store, source + "/", tgt, target_version="v1")

@@ -9,6 +9,11 @@ of a from-scratch run's steps; in rolling mode, one pass over the new shards wit
 release's run kept as it released its shards (`sources.rolling_data`, `rolling.REPLAY_DIR`). Anything else trains from
 scratch, naming the first difference.
 
+A release imported from a published drafter (`imported_release.py`) trained on none of this store's shards: it is
+continued on every shard (none replayed, the held-out rows drawn as a from-scratch run draws them) when it is of this
+family, for this target, and its weights load exactly into the drafter the family builds, on the store's vocab map
+(which adopts the import's own); otherwise the plan names each difference.
+
 With several families in rolling mode, the release is one family's; a family that did not win it continues its own
 last export instead (`plan_continuation`), when that differs from now only by added shards: trained from scratch it
 would clear its window records, every released shard would be extracted again, and the window, which admits shards
@@ -18,7 +23,7 @@ once every family consumed those before them, would keep the continuing family's
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,6 +79,7 @@ class ContinuationPlan:
     old_shards: list[str] = field(default_factory=list)  # the release's, in its order
     new_shards: list[str] = field(default_factory=list)
     base: str = RELEASE_DIR  # the weights it continues (store-relative): the release, or the family's own export
+    imported: dict[str, Any] = field(default_factory=dict)  # an imported release's source, format and sha256
 
 
 def _differences(released: Any, now: Any, prefix: str) -> list[str]:
@@ -88,8 +94,9 @@ def _differences(released: Any, now: Any, prefix: str) -> list[str]:
 
 
 def continuation_plan(
-    release: Mapping[str, Any] | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any]
-) -> ContinuationPlan:
+    release: Mapping[str, Any] | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any],
+    import_differences: Sequence[str] | None = None,
+) -> ContinuationPlan:  # fmt: skip
     """Continue from the release (`release.json`, its `trained_on.json`) or train from scratch, and why: continue
     only when the release is of this family, for this target, on this vocab map, with the same model and loss
     settings, every shard it trained on is still a shard with the same rows, and at least one shard is new. In
@@ -102,11 +109,7 @@ def continuation_plan(
     if release is None:
         return scratch("nothing is released")
     if imported := release.get(IMPORTED):
-        # Its vocab map, shape and layers are its own, and it trained on no shard of this store (`imported_release.py`).
-        return scratch(
-            f"the release is a published drafter imported from {imported.get('source')} ({imported.get('format')} "
-            "format), not trained on this store's shards: a continuation starts only from a drafter trained here"
-        )
+        return imported_plan(release, imported, now, import_differences)
     if released_on is None:
         return scratch(
             f"the release has no {TRAINED_ON_FILE} (released before exports recorded what they were trained on)"
@@ -130,6 +133,27 @@ def continuation_plan(
     if not new:
         return scratch("no shard was added since the release")
     return ContinuationPlan(True, "", str(release.get("export_sha256", "")), list(old), new)
+
+
+def imported_plan(
+    release: Mapping[str, Any], imported: Mapping[str, Any], now: Mapping[str, Any], differences: Sequence[str] | None
+) -> ContinuationPlan:
+    """Continue an imported release on every shard (module docstring), or train from scratch naming why;
+    `differences`: how it differs from the drafter the family builds (`imported_release.import_differences`)."""
+    what = f"the release is imported from {imported.get('source')} ({imported.get('format')} format)"
+    if release.get("family") != now["family"]:
+        return ContinuationPlan(False, f"family: release {release.get('family')!r}, now {now['family']!r} ({what})")
+    if release.get("target") != now["target"]:
+        return ContinuationPlan(False, f"target: release {release.get('target')!r}, now {now['target']!r} ({what})")
+    if differences is None or differences:
+        found = "; ".join(differences) if differences else "not compared with the drafter this family builds"
+        return ContinuationPlan(False, f"{what}, and its weights do not load into the drafter trained now: {found}")
+    if not now["shards"]:
+        return ContinuationPlan(False, f"{what}, and there is no shard to continue it on")
+    provenance = {k: imported.get(k) for k in ("source", "format", "sha256")}
+    return ContinuationPlan(
+        True, "", str(release.get("export_sha256", "")), [], list(now["shards"]), imported=provenance
+    )  # fmt: skip
 
 
 def read_release(store: ArtifactStore, *, owner: bool = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -163,13 +187,16 @@ def read_own_export(
 
 
 def plan_continuation(
-    store: ArtifactStore, now: Mapping[str, Any], root: str, *, rolling: bool, owner: bool = True
-) -> ContinuationPlan:
+    store: ArtifactStore, now: Mapping[str, Any], root: str, *, rolling: bool, owner: bool = True,
+    import_differences: Callable[[ArtifactStore], list[str]] | None = None,
+) -> ContinuationPlan:  # fmt: skip
     """`continuation_plan` against the release; in rolling mode, when the release is another family's, against this
     family's own last export (`root`, its directory) if that one continues (module docstring). Offline, its shards are
-    all still on disk: a from-scratch run extracts nothing again."""
+    all still on disk: a from-scratch run extracts nothing again. `import_differences`: how an imported release differs
+    from the drafter this family builds, asked only of one."""
     release, released_on = read_release(store, owner=owner)
-    plan = continuation_plan(release, released_on, now)
+    imported = release is not None and bool(release.get(IMPORTED)) and import_differences is not None
+    plan = continuation_plan(release, released_on, now, import_differences(store) if imported else None)
     if plan.continues or not rolling or released_on is None or released_on.get("family") == now["family"]:
         return plan
     own = continuation_plan(*read_own_export(store, root, owner=owner), now)

@@ -9,24 +9,36 @@ are the bar the gate holds (`release.released_figures`).
 
 An import never replaces a release: with one in the store, nothing is installed and the result says why. An import
 is where a store starts, not a way to drop what it released since (remove `drafter/release/` to start over from it).
+
+It is installed where it is first needed, by the `vocab_map` asset (and by `drafter_eval`, for a store whose map was
+made before `start_from` was set): while the release is an import, the store's vocab map is the import's own
+(`adopted_vocab_map`), the only map its head was trained for, so the drafter continues it (`continuation.py`) on
+every shard, from its weights exactly, into the drafter the family builds (`import_differences` names what keeps it
+from doing so).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, publish_export
+import numpy as np
+
+from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, exported_config, publish_export
 from eagle3_assets.drafter.import_formats import source_url
 from eagle3_assets.drafter.importing import Imported, import_drafter
+from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, target_version
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.families import EAGLE3
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
+from eagle3_assets.vocab_map import VocabMap, build_vocab_map, coverage
 
 @dataclass(frozen=True)
 class Installed:
@@ -100,3 +112,83 @@ def install_start_from(store: ArtifactStore, settings: Settings, target: TargetM
     if s is None:
         raise ValueError("start_from is not set")
     return start_from(store, s.drafter, target, target_version=target_version(store), fmt=s.format)
+
+
+def imported_release(store: ArtifactStore) -> dict | None:
+    """The release's `imported` provenance (source, format, sha256), None when the release is no import (or none is)."""
+    store.settle(RELEASE_DIR)
+    if not store.exists(RELEASE_RECORD):
+        return None
+    return store.read_json(RELEASE_RECORD).get(IMPORTED) or None
+
+
+_NUMPY = {"I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
+
+
+def named_tensors(store: ArtifactStore, rel: str, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The integer or bool tensors `names` of the safetensors file `rel` (those it holds), read by their byte ranges
+    alone: a published drafter's weights run to gigabytes, its vocab map to a few hundred kilobytes."""
+    with store.open(rel) as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        out = {}
+        for name in names:
+            if name in header:
+                begin, end = header[name]["data_offsets"]
+                f.seek(8 + size + begin)
+                raw = np.frombuffer(f.read(end - begin), dtype=_NUMPY[header[name]["dtype"]])
+                out[name] = raw.reshape(header[name]["shape"]).copy()
+    return out
+
+
+def release_vocab_map(store: ArtifactStore) -> VocabMap:
+    """The release's own `d2t`/`t2d` (its `model.safetensors`; no `d2t` is the identity of a full draft vocab)."""
+    tensors = named_tensors(store, f"{RELEASE_DIR}/model.safetensors", ("d2t", "t2d"))
+    t2d = tensors["t2d"].astype(np.bool_)
+    d2t = tensors.get("d2t", np.zeros(int(t2d.sum()), dtype=np.int64)).astype(np.int64)
+    return VocabMap(d2t, t2d)
+
+
+def adopted_vocab_map(store: ArtifactStore, freq: np.ndarray, draft_vocab_size: int) -> tuple[VocabMap, str] | None:
+    """(the imported release's own map, what was done and what it costs), None when the release is no import: its
+    `lm_head` rows are trained for its own draft ids, and a drafter is continued only on the map it was trained with.
+    What it costs is its coverage of the store's loss tokens (`freq`) against a fresh map's of `draft_vocab_size`."""
+    if (imported := imported_release(store)) is None:
+        return None
+    own, source = release_vocab_map(store), imported["source"]
+    fresh = coverage(build_vocab_map(freq, draft_vocab_size), freq)
+    n = len(own.d2t)
+    size = "" if n == draft_vocab_size else f" (not draft_vocab_size {draft_vocab_size}: its head has {n} rows)"
+    return own, (
+        f"adopted the imported release's own map ({source}): its {n} draft ids cover {coverage(own, freq):.6f} of the "
+        f"loss tokens, a fresh map of {draft_vocab_size} {fresh:.6f}{size}"
+    )
+
+
+def import_differences(
+    store: ArtifactStore, built: DrafterConfig, aux_layer_ids: Sequence[int], vmap: VocabMap
+) -> list[str]:
+    """Each way the imported release differs from the drafter the family builds to continue it (`built`, reading
+    `aux_layer_ids`, on the store's map `vmap`), as "norm_before_fc: release False, now True (training.norm_before_fc)";
+    empty when its weights load into it exactly. Its context is not compared: it bounds the positions served, not a
+    weight, and the continued drafter is exported with the target's."""
+    config = store.read_json(f"{RELEASE_DIR}/config.json")
+    theirs = exported_config(config, store.url_of(RELEASE_DIR))
+    out = []
+    own = release_vocab_map(store)
+    same_map = np.array_equal(own.d2t, vmap.d2t) and np.array_equal(own.t2d, vmap.t2d)
+    if not same_map:
+        out.append(
+            f"vocab map: release its own ({theirs.draft_vocab_size} draft ids), now the store's vocab_map "
+            f"({len(vmap.d2t)} draft ids; re-materialize vocab_map, which adopts an imported release's map)"
+        )
+    for f in fields(DrafterConfig):
+        mine, now = getattr(theirs, f.name), getattr(built, f.name)
+        if f.name == "max_position_embeddings" or mine == now or (f.name == "draft_vocab_size" and not same_map):
+            continue
+        where = f"training.{f.name}" if f.name.startswith("norm_") else "the target's"
+        out.append(f"{f.name}: release {mine!r}, now {now!r} ({where})")
+    ids = [int(i) for i in config.get("eagle_aux_hidden_state_layer_ids") or []]
+    if ids != sorted(aux_layer_ids):
+        out.append(f"aux layer ids: release {ids}, now {sorted(aux_layer_ids)} (aux_layer_ids)")
+    return out

@@ -55,3 +55,12 @@ class StepCounts:
             m[f"{prefix}loss_{k}"] = float(losses[k])
             m[f"{prefix}acc_{k}"] = float(self.correct[k]) / max(int(self.kept[k]), 1)
         return m | acceptance_estimates(self.runs, prefix)
+
+
+def heldout_line(heldout: dict[str, float], ttt_steps: int) -> str:
+    """loss, acc_k and the acceptance estimate, as the progress lines print them."""
+    accs = " ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(ttt_steps))
+    return (
+        f"loss {heldout['loss']:.4f} acc_k {accs} accept_len k=3 {heldout['accept_len_k3']:.3f} "
+        f"k=7 {heldout['accept_len_k7']:.3f}"
+    )

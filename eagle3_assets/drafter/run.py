@@ -11,7 +11,7 @@ instead of starting from zero (`continuation.py`); the summary says which it did
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +30,12 @@ from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.continuation import model_loss_settings, plan_continuation, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.family import family_of
+from eagle3_assets.drafter.family import Eagle3, Family, family_of
+from eagle3_assets.drafter.imported_release import import_differences
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
-from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, continued_line, train_drafter
+from eagle3_assets.drafter.sources import continued_line
+from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
 from eagle3_assets.drafter.vllm_eval import engine_version
 from eagle3_assets.families import EAGLE3, FamilySpec
 from eagle3_assets.provenance import Inputs, Provenance, expected
@@ -78,11 +80,15 @@ def train_and_export(
         shards={k: versions.shard_rows(k) for k in shard_keys},
     )  # fmt: skip
     main = DistEnv.from_environ().is_main
-    plan = plan_continuation(store, now, trained.root, rolling=settings.training.rolling, owner=main)
+    vmap = VocabMap.load(store)
+    plan = plan_continuation(
+        store, now, trained.root, rolling=settings.training.rolling, owner=main,
+        import_differences=import_fit(trained, target, vmap),
+    )  # fmt: skip
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
-        store, shard_keys, vmap=VocabMap.load(store), target=target, settings=settings.training,
+        store, shard_keys, vmap=vmap, target=target, settings=settings.training,
         on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
         family=trained, continuation=plan if plan.continues else None, window_families=settings.drafters,
     )  # fmt: skip
@@ -103,9 +109,20 @@ def train_and_export(
     if result.finished and DistEnv.from_environ().is_main:
         tensors, summary["exported_step"] = export_choice(out, result, settings.training.export_checkpoint, log)
         record = {**now, "continued_from": summary["continued_from"] or None}
+        if result.continued and plan.imported:  # where the weights it started from were published
+            record["imported"] = plan.imported
         url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
+
+
+def import_fit(family: Family, target: TargetModel, vmap: VocabMap) -> Callable[[ArtifactStore], list[str]] | None:
+    """How an imported release differs from the drafter `family` builds on `vmap` (`imported_release`), for the
+    continuation plan; None for a family no published drafter is imported as (the plan names the family)."""
+    if not isinstance(family, Eagle3):
+        return None
+    built = family.drafter_config(target, vmap)
+    return lambda store: import_differences(store, built, target.aux_layer_ids, vmap)
 
 
 def run_inputs(settings: Settings, want: Provenance) -> dict[str, str]:

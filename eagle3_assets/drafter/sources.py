@@ -60,6 +60,14 @@ class ContinuedData:
     base: str = "the release"  # what it started from: the release, or the family's own export (`continuation.py`)
 
 
+def continued_line(c: ContinuedData) -> str:
+    """How a continuation is described in the log and the drafter's materialization."""
+    return (
+        f"continued from {c.base} ({c.release_sha256[:12]}) with {c.new_rows} new rows and {c.replayed} replayed, "
+        f"{c.steps} steps"
+    )
+
+
 def replay_sample(old: Sequence[SampleRef], n: int, seed: int) -> list[SampleRef]:
     """`n` of the old training samples (all when fewer), drawn with `seed`, in index order."""
     if n >= len(old):
@@ -75,20 +83,25 @@ def continued_data(
     """Continuing the release: the new shards' samples plus a replay sample of the old ones.
 
     The held-out rows are the release's own: drawn as it drew them, from the old shards alone (unchanged, or there
-    would be no continuation), so no row the release trained on is held out and none held out is replayed. The step
-    budget is `continue_fraction` of what a from-scratch run on all rows would take (`training.steps`, or
-    `training.epochs` over every training sample)."""
+    would be no continuation), so no row the release trained on is held out and none held out is replayed. A release
+    trained on no shard of this store (an imported one) has none: every shard is new, and the held-out rows are drawn
+    from them as a from-scratch run draws them. The step budget is `continue_fraction` of what a from-scratch run on
+    all rows would take (`training.steps`, or `training.epochs` over every training sample)."""
     require_complete_shards(store, [*old_shards, *new_shards])
-    old, fmt = index_samples(store, old_shards)
-    new, new_fmt = index_samples(store, new_shards)
-    if (new_fmt.hidden_size, new_fmt.aux_layer_ids) != (fmt.hidden_size, fmt.aux_layer_ids):
-        raise DataError(
-            f"the new shards hold hidden size {new_fmt.hidden_size}, aux layers {list(new_fmt.aux_layer_ids)}; the "
-            f"released drafter's {fmt.hidden_size}, {list(fmt.aux_layer_ids)}: extracted with different settings"
-        )
-    old_train, held = (old, [])
-    if settings.heldout_rows:
-        old_train, held = split_heldout(old, settings.heldout_rows, settings.seed)
+    new, fmt = index_samples(store, new_shards)
+    old: list[SampleRef] = []
+    if old_shards:
+        old, released = index_samples(store, old_shards)
+        if (fmt.hidden_size, fmt.aux_layer_ids) != (released.hidden_size, released.aux_layer_ids):
+            raise DataError(
+                f"the new shards hold hidden size {fmt.hidden_size}, aux layers {list(fmt.aux_layer_ids)}; the "
+                f"released drafter's {released.hidden_size}, {list(released.aux_layer_ids)}: extracted with different "
+                "settings"
+            )
+        fmt = released
+    pool = old if old_shards else new  # where the held-out rows come from
+    kept, held = split_heldout(pool, settings.heldout_rows, settings.seed) if settings.heldout_rows else (pool, [])
+    old_train, new_train = (kept, new) if old_shards else ([], kept)
     # Every old training row by default: replaying only as many as the new rows, the continuation learnt them over
     # the others and served below the release it started from (BENCHMARKS.md, `continue`). The replay costs no
     # steps (those are `continue_fraction`'s); `replay_rows` bounds it.
@@ -106,7 +119,7 @@ def continued_data(
     scratch_train = split_heldout(every, settings.heldout_rows, settings.seed)[0] if settings.heldout_rows else every
     scratch = settings.steps or loader(scratch_train).total_steps(settings.epochs)
     steps = continuation_steps(settings.continue_fraction, scratch)
-    return fmt, loader([*replay, *new]), held, ContinuedData(len(new), len(replay), steps, scratch)
+    return fmt, loader([*replay, *new_train]), held, ContinuedData(len(new_train), len(replay), steps, scratch)
 
 
 def continuation_steps(fraction: float, scratch_steps: int) -> int:
@@ -126,21 +139,25 @@ def rolling_data(
     on_shard: ShardEventCallback | None,
     family: FamilySpec = EAGLE3,
     families: Sequence[str] = (),
-    after: Sequence[str] = (),
+    after: Sequence[str] | None = None,
 ) -> tuple[SampleFormat, RollingLoader, list[SampleRef], ShardWindow, ContinuedData | None]:
     """One pass planned from the tokenized set; the first shard (once checked) decides the format. `family` records
     what it consumed; a shard is released once every one of `families` (`settings.drafters`; `family` alone when
     empty) has. `after`: the shards the release was trained on, when this pass continues it (`continuation.py`): the
     pass is over `shard_keys`, the new shards, each with its share of `training.replay_rows` rows replayed from the
     reservoir (`REPLAY_DIR`, kept as the release's run released its shards), and the held-out rows are the release's
-    own copies."""
+    own copies. `[]`: a release trained on no shard of this store (an imported one): the pass a from-scratch run
+    makes, started from its weights."""
     tset = TokenizedSet.load(store)
     plan = RollingPlan.from_tokenized(
         tset, shard_keys, heldout_rows=settings.heldout_rows, seed=settings.seed,
-        reservoir_rows=settings.replay_reservoir_rows, after=after,
+        reservoir_rows=settings.replay_reservoir_rows, after=after or (),
     )  # fmt: skip
     continued = None
-    if after:
+    if after is not None and not after:  # nothing to replay, no held-out copies: every row is new
+        steps = _pass_steps(store, plan, settings, env)
+        continued = ContinuedData(sum(len(t) for t in plan.train), 0, steps, steps)
+    elif after:
         if missing := [r for r in plan.heldout if not store.exists(r.rel)]:
             raise DataError(
                 f"{len(missing)} of the release's {len(plan.heldout)} held-out rows have no copy, the first "

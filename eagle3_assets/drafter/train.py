@@ -61,7 +61,7 @@ from eagle3_assets.drafter.fingerprint import (
     run_fingerprint,
     with_settings_added_later,
 )
-from eagle3_assets.drafter.metrics import StepCounts
+from eagle3_assets.drafter.metrics import StepCounts, heldout_line
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
@@ -71,7 +71,14 @@ from eagle3_assets.drafter.selection import (
     save_best,
     stops_early,
 )
-from eagle3_assets.drafter.sources import ContinuedData, ShardEventCallback, continued_data, offline_data, rolling_data
+from eagle3_assets.drafter.sources import (
+    ContinuedData,
+    ShardEventCallback,
+    continued_data,
+    continued_line,
+    offline_data,
+    rolling_data,
+)
 from eagle3_assets.drafter.target_head import (
     TargetHead,
     load_target_weights,
@@ -380,24 +387,9 @@ class _Run:
 
 
 def _base(plan: ContinuationPlan) -> str:
+    if plan.imported:
+        return f"the imported release ({plan.imported['source']}, {plan.imported['format']} format)"
     return "the release" if plan.base == RELEASE_DIR else f"its own export ({plan.base}; the release is another family's)"
-
-
-def continued_line(c: ContinuedData) -> str:
-    """How a continuation is described in the log and the drafter's materialization."""
-    return (
-        f"continued from {c.base} ({c.release_sha256[:12]}) with {c.new_rows} new rows and {c.replayed} replayed, "
-        f"{c.steps} steps"
-    )
-
-
-def heldout_line(heldout: dict[str, float], ttt_steps: int) -> str:
-    """loss, acc_k and the acceptance estimate, as the progress lines print them."""
-    accs = " ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(ttt_steps))
-    return (
-        f"loss {heldout['loss']:.4f} acc_k {accs} accept_len k=3 {heldout['accept_len_k3']:.3f} "
-        f"k=7 {heldout['accept_len_k7']:.3f}"
-    )
 
 
 def _prepare(
@@ -426,7 +418,7 @@ def _prepare(
         fmt, loader, held, window, continued = rolling_data(
             store, continuation.new_shards if continuation else shard_keys, settings, env, data_workers, log=log,
             on_shard=on_shard, family=family.spec, families=window_families,
-            after=continuation.old_shards if continuation else (),
+            after=continuation.old_shards if continuation else None,
         )  # fmt: skip
         if continuation is not None:
             continued = replace(continued, release_sha256=continuation.release_sha256, base=_base(continuation))

@@ -49,6 +49,9 @@ from eagle3_assets.tokenized import (
     remove_stale_shard_dirs,
     tokenize_responses,
 )
+from eagle3_assets.drafter.imported_release import adopted_vocab_map, install_start_from
+from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR
+from eagle3_assets.leases import Lease
 from eagle3_assets.vocab_map import (
     TOKEN_FREQ_FILE,
     VOCAB_MAP_FILE,
@@ -387,17 +390,24 @@ def token_freq(project: ResourceParam[Project]) -> MaterializeResult:
 def vocab_map(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
     """d2t/t2d (docs/DESIGN.md §3): the `draft_vocab_size` most frequent target tokens, or the previous map while it
     covers the loss tokens within `vocab_map_keep_margin` of a fresh one (`sticky_vocab_map`: appended rows then keep
-    the map, its data version, and the drafter trained on it)."""
+    the map, its data version, and the drafter trained on it). While the release is a published drafter imported with
+    `start_from` (installed here first, when the store has no release), the import's own map: the drafter continues
+    it (`imported_release.adopted_vocab_map`)."""
     store, settings = project.store, project.settings
     with failures("vocab_map"):
         want = Staleness(project).expected("vocab_map")
         freq = load_token_frequencies(store)
+        if settings.start_from is not None:  # under the promotion lease: one writer of the release
+            with Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
+                context.log.info(f"start_from: {install_start_from(store, settings, project.target()).reason}")
         try:
             previous = VocabMap.load(store) if store.exists(VOCAB_MAP_FILE) else None
         except VocabMapError:
             previous = None  # unreadable: computed afresh
         try:
-            vmap, how = sticky_vocab_map(previous, freq, settings.draft_vocab_size, settings.vocab_map_keep_margin)
+            adopted = adopted_vocab_map(store, freq, settings.draft_vocab_size)
+            keep = settings.vocab_map_keep_margin
+            vmap, how = adopted or sticky_vocab_map(previous, freq, settings.draft_vocab_size, keep)
         except ValueError as e:
             raise Failure(f"vocab_map: {e}") from None
     context.log.info(f"vocab_map: {how}")
