@@ -399,3 +399,45 @@ def test_drafter_trains_on_two_ranks_and_a_killed_rank_fails_the_run_which_resum
     # And one per held-out evaluation (at the last step here): the acceptance estimate the UI plots.
     evaluations = [m for m in observed if "heldout_accept_len_k3" in m]
     assert [m["step"].value for m in evaluations] == [10] and evaluations[0]["heldout_accept_len_k3"].value >= 1.0
+
+
+def test_start_from_makes_the_first_drafter_a_continuation_of_the_published_one(pipeline, tmp_path):
+    """Issue 53: with `start_from` set and nothing released, `vocab_map` installs the published drafter as the
+    release and adopts its own map (48 draft ids, not draft_vocab_size's 64; its invariant check holds it to that
+    size), and the drafter asset's plan continues it on every shard (the training itself:
+    test_drafter_import_continue.py)."""
+    import torch
+
+    from eagle3_assets.drafter.export import export_drafter
+    from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+    from eagle3_assets.drafter.release import IMPORTED, RELEASE_RECORD
+    from eagle3_assets.drafter.run import run_plan
+    from eagle3_assets.families import EAGLE3
+    from eagle3_assets.vocab_map import VocabMap
+    from eagle3_assets_tests.helpers import random_vocab_map
+
+    project, _, _ = pipeline
+    target = project.target()
+    norms = dict.fromkeys(("norm_before_fc", "norm_before_residual", "norm_output"), True)  # the settings' defaults
+    published = random_vocab_map(vocab=target.vocab_size, draft=48, seed=3)
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=48, **norms)
+    drafter = Eagle3Drafter(cfg, published.d2t, published.t2d)
+    url = export_drafter(ArtifactStore(tmp_path / "published"), drafter.trainable_state_dict(), cfg, aux_layer_ids=[1, 2, 3])
+    root = tmp_path / "store"
+    shutil.copytree(project.store.local_path(""), root, ignore=shutil.ignore_patterns("hidden_states", "drafter"))
+    started = Project(tiny_settings(start_from={"drafter": url}), ArtifactStore(root))
+    with instance_for_test() as instance:
+        assert run(build_definitions(started), instance, ["vocab_map"]).success
+        assert latest_metadata(instance, "vocab_map")["map"].startswith(
+            f"adopted the imported release's own map ({url}): its 48 draft ids cover "
+        )
+    release = started.store.read_json(RELEASE_RECORD)
+    assert release[IMPORTED]["source"] == url
+    vmap = VocabMap.load(started.store)
+    assert np.array_equal(vmap.d2t, published.d2t) and np.array_equal(vmap.t2d, published.t2d)
+    keys = ["rows_0-20", "rows_20-40", "rows_40-45"]
+    plan = run_plan(started.store, target, started.settings, keys, EAGLE3)[2]
+    assert (plan.continues, plan.release_sha256, plan.old_shards, plan.new_shards) == (
+        True, release["export_sha256"], [], keys
+    )  # fmt: skip
+    assert plan.imported == {k: release[IMPORTED][k] for k in ("source", "format", "sha256")}

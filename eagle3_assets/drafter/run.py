@@ -27,7 +27,7 @@ from eagle3_assets.drafter.calibration import (
     measured_against,
 )
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
-from eagle3_assets.drafter.continuation import model_loss_settings, plan_continuation, trained_on
+from eagle3_assets.drafter.continuation import ContinuationPlan, model_loss_settings, plan_continuation, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import Eagle3, Family, family_of
@@ -68,23 +68,8 @@ def train_and_export(
 ) -> DrafterRun:
     """Train `family`'s drafter on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each
     as it passes its check), then export once finished, into the family's directory (`FamilySpec.root`)."""
-    # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
-    versions = Inputs(settings, store)
-    want = expected(family.drafter_asset, versions)
-    inputs = run_inputs(settings, want)
-    trained = family_of(family, settings, target)
-    # What this run trains on, against what the release was trained on: continue it, or from scratch and why.
-    now = trained_on(
-        family=family.name, target=want.inputs["target_model"], vocab_map=want.inputs["vocab_map"],
-        settings=model_loss_settings(settings, family, trained.fingerprint()),
-        shards={k: versions.shard_rows(k) for k in shard_keys},
-    )  # fmt: skip
     main = DistEnv.from_environ().is_main
-    vmap = VocabMap.load(store)
-    plan = plan_continuation(
-        store, now, trained.root, rolling=settings.training.rolling, owner=main,
-        import_differences=import_fit(trained, target, vmap),
-    )  # fmt: skip
+    trained, now, plan, vmap, inputs = run_plan(store, target, settings, shard_keys, family, owner=main)
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
@@ -114,6 +99,30 @@ def train_and_export(
         url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
+
+
+def run_plan(
+    store: ArtifactStore, target: TargetModel, settings: Settings, shard_keys: Sequence[str], family: FamilySpec,
+    *, owner: bool = True,
+) -> tuple[Family, dict[str, Any], ContinuationPlan, VocabMap, dict[str, str]]:  # fmt: skip
+    """(the family's trainer, what this run trains on, whether it continues the release, the store's vocab map, its
+    checkpoints' inputs), as the drafter asset decides them before training."""
+    # A checkpoint trained on other data or with another recipe is not resumed: training starts fresh and says why.
+    versions = Inputs(settings, store)
+    want = expected(family.drafter_asset, versions)
+    trained = family_of(family, settings, target)
+    # What this run trains on, against what the release was trained on: continue it, or from scratch and why.
+    now = trained_on(
+        family=family.name, target=want.inputs["target_model"], vocab_map=want.inputs["vocab_map"],
+        settings=model_loss_settings(settings, family, trained.fingerprint()),
+        shards={k: versions.shard_rows(k) for k in shard_keys},
+    )  # fmt: skip
+    vmap = VocabMap.load(store)
+    plan = plan_continuation(
+        store, now, trained.root, rolling=settings.training.rolling, owner=owner,
+        import_differences=import_fit(trained, target, vmap),
+    )  # fmt: skip
+    return trained, now, plan, vmap, run_inputs(settings, want)
 
 
 def import_fit(family: Family, target: TargetModel, vmap: VocabMap) -> Callable[[ArtifactStore], list[str]] | None:
