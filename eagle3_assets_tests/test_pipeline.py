@@ -17,7 +17,7 @@ from eagle3_assets.defs.partitions import registered_shard_keys
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.drafter.checkpoint import list_checkpoints
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
-from eagle3_assets.prompts import PROMPTS_FILE
+from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, parse_prompts
 from eagle3_assets.responses import read_responses
 from eagle3_assets.settings import LaunchSettings, TrainingSettings
 from eagle3_assets.shard_window import read_consumed
@@ -190,6 +190,19 @@ def test_held_out_prompts_that_are_training_prompts_are_refused_naming_them(pipe
         "drafter_eval would judge the drafter on rows it trained on. Remove them from one of the two files"
     ) in result.failure_data_for_node("prompts").error.message
     assert project.store.read_text(PROMPTS_FILE) == before
+
+
+def test_the_demo_prompts_are_judged_on_held_out_prompts_of_ones_own(pipeline, tmp_path):
+    """`eval_prompts` beside the demo's training prompts is what drafter_eval serves, not the demo's held-out set."""
+    project, _, instance = pipeline
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"id": "h1", "prompt": "What is 2 + 3?"}\n')
+    assert project.settings.prompts is None
+    store = ArtifactStore(tmp_path / "store")
+    settings = project.settings.model_copy(update={"eval_prompts": str(held)})
+    assert run(build_definitions(Project(settings, store)), instance, ["prompts"]).success
+    assert [p.id for p in parse_prompts(store.read_text(EVAL_PROMPTS_FILE), EVAL_PROMPTS_FILE)] == ["h1"]
+    assert store.read_text(PROMPTS_FILE) == project.store.read_text(PROMPTS_FILE)
 
 
 def test_unreadable_model_path_fails_naming_it(pipeline, tmp_path):

@@ -98,8 +98,9 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
         text, eval_text = _demo_prompt_texts(project)
         source = "embedded demo prompts"
     else:
-        text, source = _read_source(settings.prompts, "prompts"), settings.prompts
-        eval_text = _read_source(settings.eval_prompts, "eval_prompts") if settings.eval_prompts else None
+        text, source, eval_text = _read_source(settings.prompts, "prompts"), settings.prompts, None
+    if settings.eval_prompts:  # one's own held-out prompts, beside the demo's or one's own training prompts
+        eval_text = _read_source(settings.eval_prompts, "eval_prompts")
     with failures():
         rows = parse_prompts(text, source)
         eval_rows = parse_prompts(eval_text, settings.eval_prompts or "embedded demo eval prompts") if eval_text else []
