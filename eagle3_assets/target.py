@@ -78,6 +78,9 @@ class TargetModel:
     aux_layer_ids: tuple[int, ...] = ()  # resolved and checked by `read`; () when only the shape was parsed
     trust_remote_code: bool = False
     quantization: str | None = None  # `quantization_config.quant_method` (Kimi-K2.5: compressed-tensors); None = none
+    # A vision-language wrapper (Kimi-K2.5) around the text model: every engine serves it text-only, building no
+    # vision tower (the pipeline sends token ids, never images).
+    wrapped: bool = False
     config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the text model's config
 
     @classmethod
@@ -115,6 +118,7 @@ class TargetModel:
                 aux_layer_ids=aux_layer_ids,
                 trust_remote_code=trust_remote_code,
                 quantization=quant_method(config),
+                wrapped=bool(config.get("text_config")),
                 config=cfg,
             )
         except (TypeError, ValueError) as e:

@@ -159,7 +159,7 @@ if __name__ == "__main__":
     from eagle3_assets.vllm_server.command import kv_transfer_config, speculative_config
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               gpu_memory_utilization=0.1, max_model_len=256, max_num_seqs=2,
-              limit_mm_per_prompt={"vision_chunk": 0},
+              language_model_only=True,  # as every engine the pipeline starts serves a wrapper
               speculative_config=speculative_config([1, 2, 3, 4]), kv_transfer_config=kv_transfer_config(sys.argv[2]))
     [out] = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[3]))], SamplingParams(max_tokens=1))
     print("PATH=" + out.kv_transfer_params["hidden_states_path"])

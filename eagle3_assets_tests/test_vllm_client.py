@@ -100,6 +100,13 @@ def test_serve_args_per_role():
         },
     }  # fmt: skip
     assert "--trust-remote-code" not in serve_args(kimi(), vllm, ServerPlan.for_target(kimi(), "generate"), host="h", port=1)
+    # Kimi-K2.5 as it ships: the text model inside a vision-language wrapper, served text-only.
+    k25 = TargetModel.from_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": kimi().config,
+                                   "vision_config": {}}, path="/models/kimi-k2.5", aux_layer_ids=(2, 30, 58))  # fmt: skip
+    assert k25.wrapped and not target.wrapped
+    assert serve_args(k25, vllm, ServerPlan.for_target(k25, "generate"), host="0.0.0.0", port=8000) == [
+        "/models/kimi-k2.5", *common[1:-3], "--language-model-only", "--max-model-len", "32768", "--enable-prefix-caching"
+    ]
     with pytest.raises(ValueError, match="an extraction server needs a storage directory"):
         serve_args(target, vllm, plan, host="h", port=1)
 

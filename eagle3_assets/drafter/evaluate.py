@@ -424,7 +424,7 @@ def evaluate_drafter(
             # takes no float32, and a drafter is judged beside the target as it is served.
             common={
                 "max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": groups,
-                "dtype": settings.vllm.dtype,
+                "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
             },  # fmt: skip
             timeout_s=timeout_s,
             on_result=on_result,

@@ -210,6 +210,7 @@ def generate(
     ignore_eos: bool = True,
     enforce_eager: bool = True,
     margins: bool = False,
+    language_model_only: bool = False,
 ) -> GenerationResult:
     """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given, or
     n-gram prompt lookup with `method="ngram"`."""
@@ -234,6 +235,7 @@ def generate(
             dtype=dtype,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            language_model_only=language_model_only,
             disable_log_stats=False,
             seed=0,
         )

@@ -70,6 +70,8 @@ def serve_args(
     ]  # fmt: skip
     if target.trust_remote_code:
         args.append("--trust-remote-code")
+    if target.wrapped:
+        args.append("--language-model-only")
     if vllm.max_model_len is not None:
         args += ["--max-model-len", str(vllm.max_model_len)]
     if plan.layer_ids:
