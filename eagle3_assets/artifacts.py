@@ -62,6 +62,11 @@ RECORDED_SINCE: dict[str, object] = {
 }  # fmt: skip
 
 
+# Where the released drafter lives (`drafter/release.py`): the evals serve it beside their export, so which drafter it
+# is (its weights' digest) is an input of theirs.
+RELEASE_DIR = "drafter/release"
+
+
 @dataclass(frozen=True)
 class Artifact:
     name: str
@@ -72,6 +77,10 @@ class Artifact:
     deps_apart: Mapping[str, str] = field(default_factory=dict)
     code: int = 1
     directory: str | None = None  # where its record lives, when not in a directory of its name
+    # Served beside the released drafter, whose figures decide the release: which drafter is released is an input
+    # (`provenance.Inputs.release`), so a change of release makes it due, and a report served beside another release
+    # is never current.
+    beside_release: bool = False
 
     @property
     def record_dir(self) -> str:
@@ -155,6 +164,7 @@ def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
         parents=(family.drafter_asset, "prompts", "target_model"),
         deps_apart=_EVAL_DEPS_APART,
         directory=f"{where}drafter_eval",
+        beside_release=True,
     )
     return drafter, evaluation
 

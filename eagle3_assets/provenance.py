@@ -31,11 +31,11 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE
+from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE, RELEASE_DIR
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.file_digests import DIGESTS, FileDigests
 from eagle3_assets.settings import Settings
-from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.storage import ArtifactStore, StoreError
 
 RECORD_NAME = "_PROVENANCE.json"
 # A record's `extra` entry for work its artifact left undone that the next materialization does (responses' failed
@@ -153,6 +153,16 @@ def read_record(store: ArtifactStore, asset: str, partition: str | None = None) 
 
 def write_record(store: ArtifactStore, record: Record, partition: str | None = None) -> None:
     store.write_json(record_path(record.provenance.asset, partition), record.as_json())
+
+
+def mark_replacing(store: ArtifactStore, asset: str, what: str) -> None:
+    """Before `asset`'s artifact (`what`, a URL) is replaced in place, ahead of its new record: the old record says so
+    (`RETRY`). A kill in between then leaves it due; without the mark, the old record would call the new artifact
+    current once the settings the old one was made with came back."""
+    record = read_record(store, asset)
+    if record is not None and RETRY not in record.extra:
+        why = f"{what} was being replaced when its last run ended, before its record: made again"
+        write_record(store, Record(record.provenance, record.version, {**record.extra, RETRY: why}))
 
 
 # --- the outside inputs -------------------------------------------------------------------------
@@ -378,6 +388,20 @@ class Inputs:
         record = self._record(asset)
         return record.version if record is not None else "none"
 
+    def release(self) -> str:
+        """Which drafter is released (`release.json`'s `export_sha256`, the digest of its weights; a digest of the
+        record for a release made before it named them), as it is once settled; 'none' when nothing is released."""
+        if "release" not in self._outside:
+            rel = f"{self.store.settled_rel(RELEASE_DIR)}/release.json"
+            try:
+                body = self.store.read_bytes(rel)
+                self._outside["release"] = str(json.loads(body).get("export_sha256") or bytes_digest(body))
+            except StoreError:
+                self._outside["release"] = "none"
+            except (ValueError, AttributeError):
+                raise ProvenanceError(f"{self.store.url_of(rel)} is not a release record") from None
+        return self._outside["release"]
+
     def shard_rows(self, partition: str) -> str:
         record = self._record("tokenized")
         return str(record.extra.get("shard_rows", {}).get(partition, "none")) if record is not None else "none"
@@ -403,6 +427,8 @@ def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Proven
         versions["eval prompts file"] = inputs.outside("eval prompts file")
     elif asset == "target_model" and not s.is_demo:
         versions["target files"] = inputs.outside("target files")
+    elif artifact.beside_release and (release := inputs.release()) != "none":  # nothing released: stores stay current
+        versions["release"] = release
     elif asset == "hidden_states":
         if partition is None:
             raise ValueError("hidden_states provenance is per shard")

@@ -12,6 +12,11 @@ same engine: `evaluate.py`); its report decides. The new export is promoted (cop
     not judged, and a release made before bins existed is compared on the whole set alone, as before.
 Otherwise the released drafter stays and the decision's reason names both figures (and the bin).
 
+A report is a basis for promotion only against the release it was served beside (`beside["released"]` names the
+digest of the weights it served, `release_digest`): served beside another release, or before anything was released,
+its family is not promoted and its eval is named to rematerialize (a change of release makes every family's eval due,
+`artifacts.Artifact.beside_release`); the other families are still judged.
+
 A release belongs to the target it was released for (`release.json` keeps the version of the store's
 `target_model`, docs/DESIGN.md §9). A drafter released for another target is no baseline: it is not served
 beside the new export, and the new export is judged as a first release, which replaces it only once a person
@@ -26,14 +31,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_assets.artifacts import RELEASE_DIR
 from eagle3_assets.drafter.eval_report import PROMPTS_BY_BIN, ContextBins, ServedReport
-from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR
 from eagle3_assets.errors import Refusal
-from eagle3_assets.families import EAGLE3
+from eagle3_assets.families import EAGLE3, family_spec
+from eagle3_assets.leases import settled
 from eagle3_assets.provenance import read_record
 from eagle3_assets.storage import ArtifactStore
 
-RELEASE_DIR = "drafter/release"
 RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
 RELEASE_ACCEPTANCE_BY_BIN = "acceptance_by_context_bin"  # in release.json, beside "acceptance"
 RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
@@ -42,7 +48,7 @@ PROMOTION_LEASE_DIR = "drafter/promotion"
 
 
 class NotComparable(Refusal):
-    """The report is not of the export now in the store, or lacks the released drafter's figures beside it."""
+    """The report is not of the export now in the store, or lacks the figures of the drafter released now beside it."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,14 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
     return hashlib.sha256(store.read_bytes(f"{rel}/model.safetensors")).hexdigest()
 
 
+def release_digest(store: ArtifactStore) -> str | None:
+    """sha256 of the released drafter's weights (as `promote` recorded it, or read for a release made before), None
+    when nothing is released: which release a report was served beside."""
+    if not store.exists(RELEASE_RECORD):
+        return None
+    return str(store.read_json(RELEASE_RECORD).get("export_sha256") or export_digest(store, RELEASE_DIR))
+
+
 def decide(
     store: ArtifactStore,
     report: ServedReport,
@@ -151,24 +165,40 @@ def decide(
     min_acceptance: float,
     source: ArtifactStore | None = None,
     min_prompts_per_bin: int = 5,
+    family: str = EAGLE3.name,
     approved_target: str | None = None,
 ) -> Decision:
     """`release_decision` on the report of the export now in `source` (a family's directory, `FamilySpec.root`;
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
     release, which replaces a release of another target only when a person approved it for `target`,
-    `evaluation.replace_release_for_target`, saying so)."""
-    source = source or store
-    source.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
+    `evaluation.replace_release_for_target`, saying so). A report that is not of that export, or not served beside
+    that release, is no basis: not promoted, and the reason names `family`'s eval to rematerialize."""
+    try:
+        return _decide(
+            store, report, target, min_acceptance, source or store, min_prompts_per_bin, family, approved_target
+        )
+    except NotComparable as e:
+        return Decision(False, str(e), report.export.acceptance, None)
+
+
+def _decide(
+    store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float, source: ArtifactStore,
+    min_prompts_per_bin: int, family: str, approved_target: str | None,
+) -> Decision:  # fmt: skip
+    # A replacement a kill interrupted is finished, never read half done: the export by its trainer (or in its stead
+    # once none lives), the release here, by its owner (`store` is guarded by the promotion's lease).
+    settled(source, EXPORT_DIR, TRAINER_LEASE_DIR)
     store.settle(RELEASE_DIR)
     if report.export_sha256 != export_digest(source):
+        name = family_spec(family).eval_asset
         raise NotComparable(
-            f"the drafter_eval report ({report.export_sha256 or 'no digest'}) is not of the export now at "
-            f"{source.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
+            f"the {name} report ({report.export_sha256 or 'no digest'}) is not of the export now at "
+            f"{source.url_of(EXPORT_DIR)}: not promoted; rematerialize {name} first"
         )
     other = other_target(store, target)
     decision = release_decision(
         report,
-        None if other else released_figures(store, report),
+        None if other else released_figures(store, report, family),
         min_acceptance,
         None if other else released_bins(store, report),
         min_prompts_per_bin,
@@ -188,15 +218,26 @@ def decide(
     return decision
 
 
-def released_figures(store: ArtifactStore, report: ServedReport) -> dict[str, float] | None:
-    """The released drafter's acceptance served beside the new export (`report`), None when nothing is released."""
-    if not store.exists(RELEASE_RECORD):
+def released_figures(
+    store: ArtifactStore, report: ServedReport, family: str = EAGLE3.name
+) -> dict[str, float] | None:
+    """The released drafter's acceptance served beside the new export (`report`), None when nothing is released.
+    Figures of another drafter than the one released now (served before it was released) are no measure of it."""
+    released = release_digest(store)
+    if released is None:
         return None
-    beside = report.beside.get(RELEASED)
+    beside, name = report.beside.get(RELEASED), family_spec(family).eval_asset
     if beside is None:
         raise NotComparable(
-            f"a drafter is released ({store.url_of(RELEASE_DIR)}) but the drafter_eval report has no figures of it "
-            "served beside the new export: rematerialize drafter_eval, which serves both"
+            f"a drafter is released ({store.url_of(RELEASE_DIR)}, sha256 {released}) but the {name} report has no "
+            f"figures of it served beside the new export (made before it was released): not promoted; rematerialize "
+            f"{name}, which serves both"
+        )
+    if beside.sha256 != released:
+        raise NotComparable(
+            f"the {name} report was served beside another release (sha256 {beside.sha256 or 'not recorded'}) than "
+            f"the one at {store.url_of(RELEASE_DIR)} now (sha256 {released}): not promoted; rematerialize {name}, "
+            "which serves both"
         )
     if not beside.outputs_match_greedy:
         # It no longer serves greedily here (another engine, a changed kernel): its figures now are no measure, and a
@@ -222,8 +263,11 @@ def promote(
     family: str = EAGLE3.name,
 ) -> str:  # fmt: skip
     """Copy `family`'s export (in `source`, the store by default) to `drafter/release/` with the figures it was
-    released on, its family and the version of the target it was released for; returns the release's URL."""
+    released on, its family and the version of the target it was released for; returns the release's URL. The
+    release is left as it is when it already is this export for this target (an eval made due by its own promotion)."""
     source = source or store
+    if release_digest(store) == report.export_sha256 and other_target(store, target) is None:
+        return store.url_of(RELEASE_DIR)
     with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
         for name in source.listdir(EXPORT_DIR):
             (Path(tmp) / name).write_bytes(source.read_bytes(f"{EXPORT_DIR}/{name}"))

@@ -170,14 +170,19 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
         store = project.store
         with failures():
             want = Staleness(project).expected("drafter_release")
-        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
+        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id) as lease:
+            # Every write of the release, its settling included, checks the lease first: a promoter paused past it
+            # publishes nothing over the release the one that took over made.
+            store = store.guarded(lease.check, lease.me.describe())
+            store.remove_temporaries(RELEASE_DIR.rsplit("/", 1)[0], "release")  # a killed promotion's copies
             target = target_version(store)
             sources = {f: store.child(family_spec(f).root) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
             evaluation = project.settings.evaluation
             decisions = {
                 f: decide(store, reports[f], target, evaluation.release_min_acceptance, sources[f],
-                          evaluation.min_prompts_per_bin, evaluation.replace_release_for_target)
+                          evaluation.min_prompts_per_bin, family=f,
+                          approved_target=evaluation.replace_release_for_target)
                 for f in families
             }  # fmt: skip
             chosen, reasons = choose(decisions)
