@@ -31,7 +31,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE, RELEASE_DIR
+from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE, RELEASE_DIR, RELEASE_JUDGED
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.file_digests import DIGESTS, FileDigests
 from eagle3_assets.settings import Settings
@@ -163,6 +163,13 @@ def mark_replacing(store: ArtifactStore, asset: str, what: str) -> None:
     if record is not None and RETRY not in record.extra:
         why = f"{what} was being replaced when its last run ended, before its record: made again"
         write_record(store, Record(record.provenance, record.version, {**record.extra, RETRY: why}))
+
+
+def judged(record: Record) -> dict[str, Any]:
+    """What a promotion keeps of the eval whose report it acts on (`release.json`'s `judged`): the eval, the inputs its
+    record was made from but the release, and the release it was served beside (`Inputs.release` matches on them)."""
+    inputs = dict(record.provenance.inputs)
+    return {"asset": record.provenance.asset, "release": inputs.pop("release", "none"), "inputs": inputs}
 
 
 # --- the outside inputs -------------------------------------------------------------------------
@@ -377,6 +384,7 @@ class Inputs:
         return self._outside[name]
 
     _records: dict[str, Record | None] = field(default_factory=dict)
+    _judged: dict[str, Any] = field(default_factory=dict)  # release.json's `judged`, read with the release
 
     def _record(self, asset: str) -> Record | None:
         # Parents' records are read once per look: the drafter's shards all read tokenized's.
@@ -388,18 +396,25 @@ class Inputs:
         record = self._record(asset)
         return record.version if record is not None else "none"
 
-    def release(self) -> str:
-        """Which drafter is released (`release.json`'s `export_sha256`, the digest of its weights; a digest of the
-        record for a release made before it named them), as it is once settled; 'none' when nothing is released."""
+    def release(self, asset: str, parents: Mapping[str, str]) -> str:
+        """Which drafter is released, as `asset` (an eval served beside it, made from `parents`) is judged against:
+        its weights' digest (`release.json`'s `export_sha256`; a digest of the record for a release made before it named
+        them), as it is once settled; 'none' when nothing is released. A release that is the promotion of this very
+        eval (`judged`, the same eval made from the same inputs) is the one that eval was served beside: its own
+        promotion never makes it due, only another family's promotion, or another eval's, does."""
         if "release" not in self._outside:
             rel = f"{self.store.settled_rel(RELEASE_DIR)}/release.json"
             try:
                 body = self.store.read_bytes(rel)
-                self._outside["release"] = str(json.loads(body).get("export_sha256") or bytes_digest(body))
+                record = json.loads(body)
+                self._outside["release"] = str(record.get("export_sha256") or bytes_digest(body))
+                self._judged = dict(record.get(RELEASE_JUDGED) or {})
             except StoreError:
                 self._outside["release"] = "none"
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, TypeError):
                 raise ProvenanceError(f"{self.store.url_of(rel)} is not a release record") from None
+        if self._judged.get("asset") == asset and self._judged.get("inputs") == dict(parents):
+            return str(self._judged.get("release", "none"))
         return self._outside["release"]
 
     def shard_rows(self, partition: str) -> str:
@@ -427,7 +442,8 @@ def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Proven
         versions["eval prompts file"] = inputs.outside("eval prompts file")
     elif asset == "target_model" and not s.is_demo:
         versions["target files"] = inputs.outside("target files")
-    elif artifact.beside_release and (release := inputs.release()) != "none":  # nothing released: stores stay current
+    elif artifact.beside_release and (release := inputs.release(asset, versions)) != "none":
+        # Nothing released: no input, so stores made before releases were inputs stay current.
         versions["release"] = release
     elif asset == "hidden_states":
         if partition is None:

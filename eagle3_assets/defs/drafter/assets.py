@@ -33,6 +33,7 @@ from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.release import (
+    EVALUATED_SHA256,
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
     choose,
@@ -134,7 +135,9 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
             raise Failure(
                 "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
             )
-        version = materialized(project, want)
+        # The digest ties the record to this report: a promotion on it keeps which inputs it was made from
+        # (`release.promote`), so the release it made never makes this eval due.
+        version = materialized(project, want, extra={EVALUATED_SHA256: report.export_sha256})
         export = project.store.child(family.root).url_of(EXPORT_DIR)
         return MaterializeResult(
             data_version=version["data_version"],
@@ -201,7 +204,9 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
         version = materialized(project, want)
         return MaterializeResult(
             data_version=version["data_version"],
-            metadata=to_metadata({"promoted": chosen is not None, "family": chosen or "", "reason": reason, **figures})
+            # Promoted: the release changed; the check passes also when the release, the best, stays.
+            metadata=to_metadata({"promoted": chosen is not None and not decisions[chosen].released_now,
+                                  "family": chosen or "", "reason": reason, **figures})
             | {"release": store.url_of(RELEASE_DIR)}
             | version["metadata"],
             check_results=[
