@@ -64,6 +64,15 @@ RECORDED_SINCE: dict[str, object] = {
 }  # fmt: skip
 
 
+# Where the released drafter lives (`drafter/release.py`): the evals serve it beside their export, so which drafter it
+# is (its weights' digest) is an input of theirs.
+RELEASE_DIR = "drafter/release"
+# In release.json: the eval whose report the release was promoted on, the inputs it was made from and the release it
+# was served beside (`provenance.judged`). That eval judged the release by definition, so its own promotion leaves it
+# current; every other eval was served beside another release and is due.
+RELEASE_JUDGED = "judged"
+
+
 @dataclass(frozen=True)
 class Artifact:
     name: str
@@ -74,6 +83,10 @@ class Artifact:
     deps_apart: Mapping[str, str] = field(default_factory=dict)
     code: int = 1
     directory: str | None = None  # where its record lives, when not in a directory of its name
+    # Served beside the released drafter, whose figures decide the release: which drafter is released is an input
+    # (`provenance.Inputs.release`), so a change of release makes it due (but its own promotion, `RELEASE_JUDGED`), and
+    # a report served beside another release is never current.
+    beside_release: bool = False
 
     @property
     def record_dir(self) -> str:
@@ -170,6 +183,7 @@ def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
         runs_with=(*SERVING, "start_from"),
         deps_apart=_EVAL_DEPS_APART,
         directory=f"{where}drafter_eval",
+        beside_release=True,
     )
     return drafter, evaluation
 

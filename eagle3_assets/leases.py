@@ -144,13 +144,22 @@ class Lease:
         self.me = Holder(**{**asdict(self.me), "renewed": time.time()})
         self.store.write_json(self.rel, asdict(self.me))
 
+    def _renew(self) -> None:
+        """One renewal. Reading the file and writing it are two steps (no compare-and-swap): a renewal delayed
+        between them past the point where a taker may have read its own lease back (`expiry_s - settle_s` after this
+        holder's last renewal) would land over the taker's, so it is not written, and this holder has lost."""
+        self.check(read=True)  # never renew over a taker's lease
+        wrote_at = _clock()
+        if (age := wrote_at - self._renewed_at) >= self.expiry_s - self.settle_s:
+            self._lost = f"its renewal came {age:.0f}s after the last, too late to write safely ({self.expiry_s:g}s expiry)"
+            self.check()
+        self._write()
+        self._renewed_at = wrote_at  # counted from before the write: the expiry errs early
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.check(read=True)  # never renew over a taker's lease
-                wrote_at = _clock()
-                self._write()
-                self._renewed_at = wrote_at  # counted from before the write: the expiry errs early
+                self._renew()
             except LeaseLost as e:  # said now, not only at the holder's next write
                 print(f"{e}", file=sys.stderr, flush=True)
                 return
@@ -177,7 +186,13 @@ class Lease:
     def release(self) -> None:
         self._stop.set()
         if self._beat is not None:
-            self._beat.join()
+            # A renewal stuck in the store (a hung object-store request) must not hang the holder's exit; its write
+            # may still land, so the file is left to expire rather than removed under it.
+            self._beat.join(timeout=self.expiry_s)
+            if self._beat.is_alive():
+                print(f"lease {self.what}: a renewal is still writing after {self.expiry_s:g}s; not released, it "
+                      f"expires {self.expiry_s:g}s after it lands", file=sys.stderr, flush=True)  # fmt: skip
+                return
         holder = self.read()
         if self._lost is None and holder is not None and holder.token == self.me.token:
             self.store.remove(self.rel)
@@ -194,3 +209,21 @@ class Lease:
             # What is leaving (a stop, a failure) says more than a lease file left to expire: it goes on, named.
             print(f"lease {self.what}: not released ({e}); it expires {self.expiry_s:g}s after its last renewal",
                   file=sys.stderr, flush=True)  # fmt: skip
+
+
+def settled(store: ArtifactStore, rel: str, owner_dir: str, *, timeout_s: float = 600.0, poll_s: float = 5.0,
+            **lease: float) -> None:  # fmt: skip
+    """Make `rel` safe to read for a process that does not own it (`storage.ArtifactStore.settle`): while the owner's
+    lease (at `owner_dir`) is held, wait for the owner to finish the replacement; once nobody holds it (the writer was
+    killed), take the lease, settle `rel` under it and give it back, so that two settlers never race. Nothing to do,
+    and no lease taken, when no replacement is pending."""
+    deadline = time.monotonic() + timeout_s
+    while (body := store.intent(rel)) is not None:
+        try:
+            with Lease(store, owner_dir, os.environ.get(RUN_ID_ENV, ""), **lease) as held:
+                store.guarded(held.check, held.me.describe()).settle(rel)
+            return
+        except LeaseHeld:
+            if time.monotonic() > deadline:
+                raise store.still_pending(rel, body, timeout_s) from None
+            time.sleep(poll_s)

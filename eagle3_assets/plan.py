@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.figures import duration, size
 from eagle3_assets.provenance import bytes_digest
 from eagle3_assets.storage import ArtifactStore
@@ -151,6 +152,10 @@ def over_limit(plan: Plan, limit_s: float | None) -> str | None:
     return None
 
 
+class ApprovalUnreadable(Eagle3Error):
+    """`APPROVAL_FILE` is not an approval; the message names it."""
+
+
 @dataclass(frozen=True)
 class Approval:
     """A person's approval of a plan (`APPROVE`, or the `approve_plan` job). It holds while the graph is being made
@@ -182,7 +187,15 @@ class Approval:
 
     @classmethod
     def read(cls, store: ArtifactStore) -> Approval | None:
+        """The approval in the store, None when there is none; `ApprovalUnreadable` naming the file when it is not one
+        (edited by hand, written by another version)."""
         if not store.exists(APPROVAL_FILE):
             return None
-        body = store.read_json(APPROVAL_FILE)
-        return cls(**{**body, "labels": tuple(body["labels"])})
+        try:
+            body = store.read_json(APPROVAL_FILE)
+            return cls(**{**body, "labels": tuple(body["labels"])})
+        except (ValueError, TypeError, KeyError) as e:
+            raise ApprovalUnreadable(
+                f"{store.url_of(APPROVAL_FILE)} is not an approval ({type(e).__name__}: {e}): approve again with "
+                f"`{APPROVE}`, which replaces it"
+            ) from None

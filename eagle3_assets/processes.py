@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -168,3 +170,25 @@ def machine_id() -> str:
     except OSError:  # not Linux: one namespace
         namespace = 0
     return f"{socket.gethostname()}@{int(boot) if boot else 0}/pid-ns:{namespace}"
+
+
+def pid_prefix(prefix: str) -> str:
+    """A local temporary directory's name prefix naming this process: `remove_dead_tempdirs` sweeps it once the
+    process is gone (a SIGKILL runs no cleanup, and an export's staging copy is gigabytes)."""
+    return f"{prefix}{os.getpid()}-"
+
+
+def remove_dead_tempdirs(prefix: str, root: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove the directories `<root>/<prefix><pid>-*` (`pid_prefix`; root: the temporary directory) whose process is
+    gone, or is a later one that reused its pid; returns their names. A live writer's are kept."""
+    base, gone = Path(root or tempfile.gettempdir()), []
+    for d in base.glob(f"{prefix}*-*"):
+        pid = d.name[len(prefix) :].split("-", 1)[0]
+        try:
+            made = d.stat().st_mtime
+        except OSError:
+            continue  # removed meanwhile
+        if d.is_dir() and pid.isdigit() and not process_alive(int(pid), started_by=made):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
+    return sorted(gone)

@@ -31,11 +31,11 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE
+from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE, RELEASE_DIR, RELEASE_JUDGED
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.file_digests import DIGESTS, FileDigests
 from eagle3_assets.settings import Settings
-from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.storage import ArtifactStore, StoreError
 
 RECORD_NAME = "_PROVENANCE.json"
 # A record's `extra` entry for work its artifact left undone that the next materialization does (responses' failed
@@ -153,6 +153,23 @@ def read_record(store: ArtifactStore, asset: str, partition: str | None = None) 
 
 def write_record(store: ArtifactStore, record: Record, partition: str | None = None) -> None:
     store.write_json(record_path(record.provenance.asset, partition), record.as_json())
+
+
+def mark_replacing(store: ArtifactStore, asset: str, what: str) -> None:
+    """Before `asset`'s artifact (`what`, a URL) is replaced in place, ahead of its new record: the old record says so
+    (`RETRY`). A kill in between then leaves it due; without the mark, the old record would call the new artifact
+    current once the settings the old one was made with came back."""
+    record = read_record(store, asset)
+    if record is not None and RETRY not in record.extra:
+        why = f"{what} was being replaced when its last run ended, before its record: made again"
+        write_record(store, Record(record.provenance, record.version, {**record.extra, RETRY: why}))
+
+
+def judged(record: Record) -> dict[str, Any]:
+    """What a promotion keeps of the eval whose report it acts on (`release.json`'s `judged`): the eval, the inputs its
+    record was made from but the release, and the release it was served beside (`Inputs.release` matches on them)."""
+    inputs = dict(record.provenance.inputs)
+    return {"asset": record.provenance.asset, "release": inputs.pop("release", "none"), "inputs": inputs}
 
 
 # --- the outside inputs -------------------------------------------------------------------------
@@ -371,6 +388,7 @@ class Inputs:
         return self._outside[name]
 
     _records: dict[str, Record | None] = field(default_factory=dict)
+    _judged: dict[str, Any] = field(default_factory=dict)  # release.json's `judged`, read with the release
 
     def _record(self, asset: str) -> Record | None:
         # Parents' records are read once per look: the drafter's shards all read tokenized's.
@@ -381,6 +399,27 @@ class Inputs:
     def parent(self, asset: str) -> str:
         record = self._record(asset)
         return record.version if record is not None else "none"
+
+    def release(self, asset: str, parents: Mapping[str, str]) -> str:
+        """Which drafter is released, as `asset` (an eval served beside it, made from `parents`) is judged against:
+        its weights' digest (`release.json`'s `export_sha256`; a digest of the record for a release made before it named
+        them), as it is once settled; 'none' when nothing is released. A release that is the promotion of this very
+        eval (`judged`, the same eval made from the same inputs) is the one that eval was served beside: its own
+        promotion never makes it due, only another family's promotion, or another eval's, does."""
+        if "release" not in self._outside:
+            rel = f"{self.store.settled_rel(RELEASE_DIR)}/release.json"
+            try:
+                body = self.store.read_bytes(rel)
+                record = json.loads(body)
+                self._outside["release"] = str(record.get("export_sha256") or bytes_digest(body))
+                self._judged = dict(record.get(RELEASE_JUDGED) or {})
+            except StoreError:
+                self._outside["release"] = "none"
+            except (ValueError, AttributeError, TypeError):
+                raise ProvenanceError(f"{self.store.url_of(rel)} is not a release record") from None
+        if self._judged.get("asset") == asset and self._judged.get("inputs") == dict(parents):
+            return str(self._judged.get("release", "none"))
+        return self._outside["release"]
 
     def shard_rows(self, partition: str) -> str:
         record = self._record("tokenized")
@@ -409,6 +448,9 @@ def expected(asset: str, inputs: Inputs, partition: str | None = None) -> Proven
         versions["target files"] = inputs.outside("target files")
     elif asset == "traffic_prompts":
         versions["traffic log"] = inputs.outside("traffic log")
+    elif artifact.beside_release and (release := inputs.release(asset, versions)) != "none":
+        # Nothing released: no input, so stores made before releases were inputs stay current.
+        versions["release"] = release
     elif asset == "hidden_states":
         if partition is None:
             raise ValueError("hidden_states provenance is per shard")

@@ -251,14 +251,18 @@ class GraphStart:
         # Rolling: every family's trainer, each in a process of its own, all at once (each shard is released once
         # every family consumed it, so one waiting for another to finish would wait for ever).
         rolling_trainers = {drafter_key(family_spec(f)) for f in settings.drafters} if settings.training.rolling else set()
-        tried: set[Request] = set()
+        # Each request runs once per provenance: again in this command only when what it is made from moved since it
+        # ran (a release makes another family's eval due, then the release is decided again); a failed one, and a
+        # trainer in its own process, not again (the same command, run again, resumes them).
+        ran: dict[Request, set[str] | None] = {}
         failed: list[str] = []
         with ExitStack() as stack:
             phase = stack.enter_context(self._phases())
             trainers: dict[AssetKey, subprocess.Popen] = {}
             for requests in self.ticks(selection):
                 self.stop.check()
-                new = [r for r in requests if r not in tried]
+                staleness = Staleness(self.project)
+                new = [r for r in requests if self._again(r, ran, staleness)]
                 for key, trainer in list(trainers.items()):
                     if trainer.poll() is not None:
                         ok = trainer.returncode == 0
@@ -270,22 +274,26 @@ class GraphStart:
                         break
                     time.sleep(ROLLING_POLL_S)
                     continue
-                tried |= set(new)
-                staleness = Staleness(self.project)
+                made = {r: self._made_from(r, staleness) for r in new}
                 for request in new:
                     self.log(f"{_label([request])}: to run ({self.why(request, staleness)})")
                 assets = [k for k, p in new if p is None and k not in rolling_trainers]
                 if assets:
                     phase("generate" if RESPONSES in assets else "extract" if trainers else None)
-                    if not self.launch(assets):
+                    ok = self.launch(assets)
+                    self._ran(ran, {(k, None): made[(k, None)] for k in assets}, ok)
+                    if not ok:
                         failed.append(",".join(k.to_user_string() for k in assets))
                 for key in [k for k, p in new if p is None and k in rolling_trainers]:
+                    ran[(key, None)] = None
                     trainers[key] = stack.enter_context(self._process(key))
                 shards = [p for k, p in new if k == HIDDEN_STATES]
                 if shards:
                     phase("extract")
                 for key in shards:
-                    if not self.launch([HIDDEN_STATES], key):
+                    ok = self.launch([HIDDEN_STATES], key)
+                    self._ran(ran, {(HIDDEN_STATES, key): made[(HIDDEN_STATES, key)]}, ok)
+                    if not ok:
                         failed.append(f"hidden_states[{key}]")
                         if trainers:
                             self._waits_for(key)
@@ -298,6 +306,29 @@ class GraphStart:
             self.log("not made, each waiting on an input not current or not checked sound: " + "; ".join(left))
             return False
         return True
+
+    @staticmethod
+    def _made_from(request: Request, staleness: Staleness) -> str | None:
+        """What `request` would be made from now (`Provenance.made_from`); None when that cannot be said."""
+        key, partition = request
+        try:
+            return staleness.expected(key.to_user_string(), partition).made_from
+        except Eagle3Error:  # an outside file gone: `why` names it, and it is not run again in this command
+            return None
+
+    def _again(self, request: Request, ran: dict[Request, set[str] | None], staleness: Staleness) -> bool:
+        """Whether a request the conditions make is launched: never run in this command, or run and succeeded from
+        other inputs than it would be made from now. A finite graph's provenances are finite, so the ticks end."""
+        if request not in ran:
+            return True
+        seen = ran[request]
+        return seen is not None and (made := self._made_from(request, staleness)) is not None and made not in seen
+
+    @staticmethod
+    def _ran(ran: dict[Request, set[str] | None], made: dict[Request, str | None], ok: bool) -> None:
+        for request, made_from in made.items():
+            seen = ran.get(request, set())
+            ran[request] = None if not ok or made_from is None or seen is None else seen | {made_from}
 
     def _waits_for(self, key: str) -> None:
         wait = self.project.settings.training.shard_wait_s

@@ -10,7 +10,13 @@ disk the new one is swapped in by one `renameat2(RENAME_EXCHANGE)`. Where no suc
 stores, some network filesystems) the complete new copy is uploaded first, then an intent beside the
 directory names it, and only then is the old one replaced; a writer killed after the intent leaves a
 replacement that `settle` finishes from the complete copy. A kill at any point leaves a complete copy:
-the old one before the intent, the new one after it.
+the old one before the intent, the new one after it. The intent is itself written atomically and names its writer;
+one left torn by an older writer (a full disk, a kill while it was written) was written before anything was replaced:
+`settle` drops it, saying so, and the old directory stands.
+
+Only the owner of a directory settles it (the holder of its lease, `leases.settled`): a writer that lost its lease
+while it rolled a replacement forward stops at the next step (the store's guard is checked before each), so two
+settlers never interleave and a writer paused past its lease never overwrites its successor's directory.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -51,6 +59,11 @@ class StoreError(Eagle3Error, RuntimeError):
 
 class StoreRefusal(Refusal, StoreError):
     """The store cannot take a write (full, read-only, not permitted); the message names the path."""
+
+
+def this_process() -> str:
+    """Who writes, as an intent names its writer when no lease holder is named (`ArtifactStore.guarded`)."""
+    return f"host {socket.gethostname()}, pid {os.getpid()}"
 
 
 def write_error(what: str, e: OSError, free: int | None = None) -> StoreError:
@@ -92,12 +105,13 @@ class ArtifactStore:
         self.root = self.root.rstrip("/") or "/"
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._guard: Callable[[], None] = lambda: None
+        self.writer = this_process()  # what an intent of this store's writes names
 
-    def guarded(self, guard: Callable[[], None]) -> ArtifactStore:
+    def guarded(self, guard: Callable[[], None], writer: str = "") -> ArtifactStore:
         """This store, calling `guard` before it publishes a write or deletes anything: a lease holder's
-        check (`leases.Lease.check`) that it still owns what it writes."""
+        check (`leases.Lease.check`) that it still owns what it writes; `writer` names the holder in its intents."""
         copy = ArtifactStore(self.url, cache_dir=self._cache_dir)
-        copy._guard = guard
+        copy._guard, copy.writer = guard, writer or self.writer
         return copy
 
     def child(self, rel: str) -> ArtifactStore:
@@ -105,7 +119,7 @@ class ArtifactStore:
         if not rel.strip("/"):
             return self
         child = ArtifactStore(self.url_of(rel), cache_dir=self._cache_dir)
-        child._guard = self._guard
+        child._guard, child.writer = self._guard, self.writer
         return child
 
     def __repr__(self) -> str:
@@ -250,15 +264,24 @@ class ArtifactStore:
         except OSError as e:
             raise write_error(f"cannot move {self.url_of(src)} to {self.url_of(dst)}", e, self.free_bytes()) from e
 
-    def remove_temporaries(self, rel_dir: str) -> int:
-        """Delete leftovers of writers that died under `rel_dir`; returns how many."""
+    def remove_temporaries(self, rel_dir: str, name: str | None = None) -> int:
+        """Delete leftovers of writers that died under `rel_dir` (only those of `name` there, when given: where
+        others' writers share the directory, as a family's export and the release share `drafter/`); returns how
+        many. Only by the owner of what it sweeps: a live writer's upload is a temporary too."""
         p = self.path(rel_dir)
         if not self.fs.exists(p):
             return 0
-        self.settle_all(rel_dir)  # a replacement's complete copy is not a leftover: finish it first
-        stale = [e for e in self.fs.ls(p, detail=False) if _is_tmp(e.rstrip("/").rsplit("/", 1)[-1])]
-        for e in stale:
-            self.fs.rm(e, recursive=True)
+        # A replacement's complete copy is not a leftover: finish it first.
+        if name is None:
+            self.settle_all(rel_dir)
+        else:
+            self.settle(f"{rel_dir}/{name}")
+        mine = (f".{name}{TMP_MARK}", f".{self._intent_rel(name)}{TMP_MARK}") if name else ("",)
+        names = (e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(p, detail=False))
+        stale = [n for n in names if _is_tmp(n) and n.startswith(mine)]
+        for n in stale:
+            self._guard()
+            self.fs.rm(f"{p}/{n}", recursive=True)
         return len(stale)
 
     # -- directories (model checkpoints, exports) --------------------------
@@ -279,8 +302,9 @@ class ArtifactStore:
                 if self.fs.exists(tmp):
                     self.fs.rm(tmp, recursive=True)  # the old directory, swapped out
                 return
+            # Atomic, as every file: a full disk or a kill while it is written leaves no intent, never a torn one.
+            self.write_json(self._intent_rel(rel), {"from": tmp.rpartition("/")[2], "writer": self.writer})
             intent = self._intent_path(rel)
-            self.fs.pipe_file(intent, json.dumps({"from": tmp.rpartition("/")[2]}).encode())
             crash_point(f"put_dir:{rel}:intent")
             self._roll_forward(rel, tmp, intent)
         except BaseException as e:
@@ -290,21 +314,50 @@ class ArtifactStore:
                 raise write_error(f"cannot write {self.url_of(rel)}", e, self.free_bytes()) from e
             raise
 
+    def _intent_rel(self, rel: str) -> str:
+        parent, _, name = rel.strip("/").rpartition("/")
+        return f"{parent}/.{name}{INTENT_SUFFIX}" if parent else f".{name}{INTENT_SUFFIX}"
+
     def _intent_path(self, rel: str) -> str:
-        parent, _, name = self.path(rel).rpartition("/")
-        return f"{parent}/.{name}{INTENT_SUFFIX}"
+        return self.path(self._intent_rel(rel))
+
+    def intent(self, rel: str) -> dict[str, Any] | None:
+        """The pending replacement of `rel` (`{"from": its complete copy, "writer": who wrote it}`), None when there
+        is none; `{}` when its intent is torn (not JSON: written by an older writer that a full disk or a kill cut)."""
+        try:
+            body = json.loads(self.fs.cat_file(self._intent_path(rel)))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        return body if isinstance(body, dict) and isinstance(body.get("from"), str) else {}
+
+    def settled_rel(self, rel: str) -> str:
+        """Where `rel` can be read as it is once settled, without settling it (for a reader that only looks): the
+        complete copy a pending replacement names, else `rel` itself."""
+        body = self.intent(rel)
+        if body:
+            copy = f"{rel.strip('/').rpartition('/')[0]}/{body['from']}".lstrip("/")
+            if self.exists(copy):
+                return copy
+        return rel
 
     def _roll_forward(self, rel: str, tmp: str, intent: str) -> None:
         """Replace `rel` by the complete copy `tmp` that `intent` names. The intent goes before `tmp` is touched, so
-        while it exists `tmp` is complete: a kill anywhere here is finished by `settle`."""
+        while it exists `tmp` is complete: a kill anywhere here is finished by `settle`. The guard comes before each
+        step: on an object store this is a delete and a copy of gigabytes, and a writer that lost its lease meanwhile
+        (paused past it; its directory settled and replaced by the one that took over) must not delete the newer one."""
+        self._guard()
         if self.fs.exists(self.path(rel)):
             self.fs.rm(self.path(rel), recursive=True)
         crash_point(f"put_dir:{rel}:removed")
+        self._guard()
         if self.is_local:
             os.rename(tmp, self.path(rel))
         else:
             self.fs.copy(tmp, self.path(rel), recursive=True)
         crash_point(f"put_dir:{rel}:copied")
+        self._guard()
         self.fs.rm(intent)
         if self.fs.exists(tmp):
             self.fs.rm(tmp, recursive=True)
@@ -318,29 +371,45 @@ class ArtifactStore:
 
     def settle(self, rel: str) -> bool:
         """Finish a replacement of `rel` that a killed writer left after its intent; True when there was one. Called
-        by the next writer of `rel` (`put_dir`), and by a reader that owns it, before it reads."""
-        intent = self._intent_path(rel)
-        if not self.fs.exists(intent):
+        by the next writer of `rel` (`put_dir`), and by a reader that owns it, before it reads: only by the owner,
+        on a store guarded by its lease (`leases.settled` for the others)."""
+        body = self.intent(rel)
+        if body is None:
             return False
-        parent = self.path(rel).rpartition("/")[0]
-        tmp = f"{parent}/{json.loads(self.fs.cat_file(intent))['from']}"
+        intent = self._intent_path(rel)
+        if not body:  # torn: it never finished, so nothing was replaced yet; its copy is a temporary, swept
+            print(
+                f"{self.fs.unstrip_protocol(intent)}: a torn intent (not JSON: a full disk or a kill while it was "
+                f"written) is removed; {self.url_of(rel)} keeps the copy it had",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            self._guard()
+            self.fs.rm(intent)
+            return True
+        tmp = f"{self.path(rel).rpartition('/')[0]}/{body['from']}"
         if self.fs.exists(tmp):
             self._roll_forward(rel, tmp, intent)
         else:  # the copy was in place and the intent not yet removed
+            self._guard()
             self.fs.rm(intent)
         return True
 
     def wait_settled(self, rel: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
         """Wait until no replacement of `rel` is pending: what a reader that does not own `rel` does, while its owner
         `settle`s it. Two settlers at once would race: one could remove the copy the other just moved in place."""
-        intent, deadline = self._intent_path(rel), time.monotonic() + timeout_s
-        while self.fs.exists(intent):
+        deadline = time.monotonic() + timeout_s
+        while (body := self.intent(rel)) is not None:
             if time.monotonic() > deadline:
-                raise StoreError(
-                    f"{self.url_of(rel)} is still mid-replacement after {timeout_s:.0f}s ({intent} is there): the "
-                    "process that owns it settles it before it reads"
-                )
+                raise self.still_pending(rel, body, timeout_s)
             time.sleep(poll_s)
+
+    def still_pending(self, rel: str, body: dict[str, Any], waited_s: float) -> StoreError:
+        """The error of a reader that waited `waited_s` for the owner of `rel` to settle it, naming the intent's writer."""
+        return StoreError(
+            f"{self.url_of(rel)} is still mid-replacement after {waited_s:.0f}s "
+            f"({self.fs.unstrip_protocol(self._intent_path(rel))} is there, written by "
+            f"{body.get('writer') or 'an unknown writer'}): the process that owns it settles it before it reads"
+        )
 
     def ensure_local_dir(self, rel: str, version: str | None = None, files: Collection[str] | None = None) -> Path:
         """A local directory holding `rel`: the directory itself on a local store, else a cached copy.

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import pytest
 from dagster import (
     AssetExecutionContext,
     AssetKey,
@@ -158,6 +159,27 @@ def test_a_plan_over_the_limit_waits_under_the_daemon_until_a_person_approves_it
         )
         assert lines[2].startswith("  drafter: redo (input vocab_map is made again); time unknown")
         assert lines[3].startswith("total: 0 rows to generate, 0 shards (~0 B) to extract, ~0 optimizer steps; ~1h 23m")
+        assert daemon.tick() == ["vocab_map"]
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ("", "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"), ('{"digest": "0123"}', "KeyError: 'labels'"),
+])  # fmt: skip
+def test_a_malformed_approval_file_makes_the_plan_wait_naming_it_and_never_fails_the_tick(tmp_path, body, why):
+    """Issue 52, item 11: a malformed `approval/plan.json` failed the whole sensor tick."""
+    with instance_for_test() as instance:
+        daemon = Daemon(instance, ArtifactStore(tmp_path / "store"))
+        daemon.settings()
+        daemon.run("tokenized", "vocab_map", "drafter")
+        daemon.settings(draft_vocab_size=32)
+        daemon.store.write_text(APPROVAL_FILE, body)
+        assert daemon.tick() == []
+        assert daemon.said["vocab_map"] == (
+            f"{WAITS.removesuffix('; approve with `python -m eagle3_assets.start --approve`')}; "
+            f"{daemon.store.url_of(APPROVAL_FILE)} is not an approval ({why}): approve again with "
+            "`python -m eagle3_assets.start --approve`, which replaces it"
+        )
+        daemon.approve()
         assert daemon.tick() == ["vocab_map"]
 
 

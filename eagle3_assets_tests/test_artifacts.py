@@ -232,3 +232,39 @@ def test_extraction_numerics_retrain_the_drafters_resume_no_checkpoint_and_conti
     assert sorted(before[2]) == ["aux_layer_ids", "extraction.storage_dtype", "shard_size", "target_model", "tokenized",
                                  "vocab_map"]  # fmt: skip
     assert sorted(before[3]) == ["aux_layer_ids", "extraction.storage_dtype", "training"]
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL in this process, between an artifact's write and its record's."""
+
+
+def test_an_artifact_replaced_before_its_record_is_never_current_under_the_record_it_replaced(tmp_path, monkeypatch):
+    """Issue 52, item 12: `prompts` wrote its file, then its record (the drafter its export, then its record): killed
+    in between, the old record stayed, and putting the old settings back made the new file look current."""
+    from dagster import DagsterInstance, materialize
+
+    from eagle3_assets.defs import provenance as defs_provenance
+    from eagle3_assets.defs.data.assets import prompts
+    from eagle3_assets.defs.provenance import Staleness
+    from eagle3_assets.prompts import PROMPTS_FILE
+
+    from .conftest import TINY_DEMO
+
+    store = ArtifactStore(tmp_path / "store")
+    first = Project(tiny_settings(), store)
+    other = Project(tiny_settings(demo=TINY_DEMO.model_copy(update={"num_prompts": 30})), store)
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([prompts], resources={"project": first}, instance=instance).success
+        made_first = store.read_text(PROMPTS_FILE)
+
+        def killed(name: str) -> None:
+            if name == "record:prompts":
+                raise Killed(name)
+
+        monkeypatch.setattr(defs_provenance, "crash_point", killed)
+        with pytest.raises(Killed):
+            materialize([prompts], resources={"project": other}, instance=instance)
+    assert store.read_text(PROMPTS_FILE) != made_first  # the file of the other settings, its record never written
+    assert Staleness(first).problem("prompts") == (
+        f"{store.url_of(PROMPTS_FILE)} was being replaced when its last run ended, before its record: made again"
+    )

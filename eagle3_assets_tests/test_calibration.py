@@ -129,3 +129,37 @@ def test_the_drafter_materialization_gives_the_calibrated_estimate() -> None:
     assert calibrated_figures([], "dflash", summary) == {
         "estimate_k3": 4.0, "calibration_evals_k3": 0, "estimate_k7": 6.0, "calibration_evals_k7": 0,
     }  # fmt: skip
+
+
+def test_the_history_barely_above_one_locked_or_on_a_full_disk_never_misleads_or_fails_the_eval(small_tmpfs, tmp_path):
+    """Issue 52, item 11: an estimate of 1.001 multiplied the ratio by a thousand; two evals rewrote the history at
+    once with no lock; a full disk there failed an hours-long eval with nothing kept."""
+    from eagle3_assets.drafter.calibration import HISTORY_LEASE_DIR
+    from eagle3_assets.leases import Lease, LeaseHeld
+
+    barely = [EstimatePoint("eagle3", 3, 1.001, 1.5, "x"), EstimatePoint("eagle3", 3, 3.0, 2.0, "y")]
+    c = correction(barely, "eagle3", 3)
+    assert c is not None and (c.ratio, c.points) == (pytest.approx(0.5), 1)
+
+    store = ArtifactStore(tmp_path / "store")
+    record(store, POINTS[:1])
+    with Lease(store, HISTORY_LEASE_DIR, "the other family's eval"):
+        with pytest.raises(LeaseHeld, match=r"drafter_eval/history is held by another process \(.*run the other "):
+            record(store, POINTS[1:2], wait_s=0.0)
+        assert load_history(store) == POINTS[:1]  # nothing rewritten under the other's lease
+    assert record(store, POINTS[1:2]) == POINTS[:2]
+
+    full = ArtifactStore(small_tmpfs / "store")
+    full.write_text(EVAL_PROMPTS_FILE, '{"id": "q1", "prompt": "Where is Avalon?"}\n')
+    full.write_json(DRAFTER_METRICS_FILE, {"heldout_accept_len_k3": 3.0})
+    with open(small_tmpfs / "filler", "wb", buffering=0) as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"x" * 512)
+    report = EvalReport(prompts=64, max_tokens=160, export_sha256="new", acceptance={"k3": 2.6, "k7": 3.4})
+    lines: list[str] = []
+    calibrate(full, full, report, "eagle3", lines.append)
+    assert report.estimate == {"k3": 3.0}
+    assert lines[-1].startswith(
+        f"drafter_eval: this evaluation's points are not kept in {full.url_of(HISTORY_FILE)} ("
+    ) and "No space left on device" in lines[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from eagle3_assets.drafter.checkpoint import read_checkpoint_state
 from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_plan, read_release
 from eagle3_assets.drafter.distributed import DistEnv
+from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.run import train_and_export
@@ -140,6 +142,11 @@ def test_appended_shards_continue_the_released_drafter_on_new_and_replayed_rows_
     assert plan.continues and plan.new_shards == keys[1:]
     start = train_drafter(store, keys, vmap=greedy_vocab_map(model, rows), target=target, settings=training,
                           continuation=plan, max_steps=0, resume=False, log=lambda _: None)  # fmt: skip
+    # Issue 52, item 11: a release promoted since the plan was made is never warm-started from.
+    with pytest.raises(TrainingError, match=rf"changed since this run planned to continue it \(sha256 {'0' * 64} then, "
+                       rf"{sha} now\): not warm-started; a retry plans again"):  # fmt: skip
+        train_drafter(store, keys, vmap=greedy_vocab_map(model, rows), target=target, settings=training,
+                      continuation=replace(plan, release_sha256="0" * 64), max_steps=0, resume=False, log=lambda _: None)  # fmt: skip
     assert start.step == 0 and set(start.model.trainable_state_dict()) == set(released)
     for name, tensor in start.model.trainable_state_dict().items():
         assert torch.equal(tensor.float(), released[name]), name

@@ -6,6 +6,8 @@ on reports as `drafter_eval` writes them (the vLLM test serves real drafters, `t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from dagster import AssetKey, DagsterInstance, materialize
@@ -20,6 +22,7 @@ from eagle3_assets.drafter.release import (
     RELEASED,
     export_digest,
     release_decision,
+    release_digest,
 )
 from eagle3_assets.families import DFLASH
 from eagle3_assets.project import Project
@@ -141,7 +144,7 @@ def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
 
         # A worse retrain, served beside the released drafter: the blocking check fails naming both figures.
         worse = write_export(store, 2.0)
-        beside = {RELEASED: report_json(2.1, 2.6, dir="release")}
+        beside = {RELEASED: report_json(2.1, 2.6, dir="release", export_sha256=first)}
         result, meta, check = release(project, instance, report_json(1.9, 2.6, export_sha256=worse, beside=beside))
         assert not result.success and not check.passed
         assert check.description == (
@@ -151,10 +154,13 @@ def test_drafter_release_promotes_keeps_and_refuses_as_the_gate_says(tmp_path):
         assert (meta["new_k3"].value, meta["released_k3"].value) == (1.9, 2.1)
         assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'  # it stayed
 
-        # A report of another export than the one in the store decides nothing.
+        # A report of another export than the one in the store is no basis: not promoted, its eval named.
         result, _, check = release(project, instance, report_json(3.0, 3.5, export_sha256=first, beside=beside))
-        assert not result.success and check is None
-        assert "is not of the export now at" in str(result.failure_data_for_node("drafter_release").error.message)
+        assert not result.success and not check.passed
+        assert check.description == (
+            f"the drafter_eval report ({first}) is not of the export now at {store.url_of(EXPORT_DIR)}: not promoted; "
+            "rematerialize drafter_eval first"
+        )
 
         # A better one replaces it.
         better = write_export(store, 3.0)
@@ -178,7 +184,7 @@ def test_the_gate_cannot_be_emptied_fooled_or_raced(tmp_path):
 
         # Served beside a new export it no longer matches greedy (another engine): a baseline of 1.0 would let 1.30 in.
         weak = write_export(store, 2.0)
-        beside = {RELEASED: report_json(1.0, 1.0, greedy=False)}
+        beside = {RELEASED: report_json(1.0, 1.0, greedy=False, export_sha256=released)}
         result, meta, check = release(project, instance, report_json(1.3, 1.4, export_sha256=weak, beside=beside))
         assert not result.success and not check.passed
         assert (meta["new_k3"].value, meta["released_k3"].value) == (1.3, 2.9)  # the bar it was released at
@@ -196,7 +202,7 @@ def test_the_gate_cannot_be_emptied_fooled_or_raced(tmp_path):
         better = write_export(store, 5.0)
         with Lease(store, PROMOTION_LEASE_DIR, "run-deciding"):
             result, _, check = release(project, instance, report_json(3.0, 3.6, export_sha256=better, beside={
-                RELEASED: report_json(2.9, 3.5)}))  # fmt: skip
+                RELEASED: report_json(2.9, 3.5, export_sha256=released)}))  # fmt: skip
         assert not result.success and check is None
         assert "run-deciding" in result.failure_data_for_node("drafter_release").error.message
         assert (tmp_path / "store" / RELEASE_DIR / "config.json").read_text() == '{"scale": 1.0}\n'
@@ -220,7 +226,7 @@ def test_drafter_release_records_each_bin_and_keeps_the_release_against_a_drafte
 
         digest = write_export(store, 2.0)
         worse_long = report_json(2.5, 3.2, export_sha256=digest, **binned({SHORT: (40, 2.6, 3.4), LONG: (6, 1.8, 2.1)}))
-        worse_long["beside"] = {RELEASED: report_json(2.4, 3.0, **first)}
+        worse_long["beside"] = {RELEASED: report_json(2.4, 3.0, export_sha256=release_digest(store), **first)}
         result, _, check = release(project, instance, worse_long)
         assert not result.success and not check.passed
         assert check.description == (
@@ -229,7 +235,7 @@ def test_drafter_release_records_each_bin_and_keeps_the_release_against_a_drafte
         )
         # Beside it, the released drafter no longer serves greedily: its recorded per-bin bar still holds.
         at_one = binned({SHORT: (40, 1.0, 1.0), LONG: (6, 1.0, 1.0)})
-        not_greedy = {RELEASED: report_json(1.0, 1.0, greedy=False, **at_one)}
+        not_greedy = {RELEASED: report_json(1.0, 1.0, greedy=False, export_sha256=release_digest(store), **at_one)}
         result, _, check = release(project, instance, worse_long | {"beside": not_greedy})
         assert not result.success and check.description.startswith(
             "the new export serves at mean acceptance length 2.100 at k=7 on prompts of 4096-16384 tokens (6 prompts), "
@@ -272,7 +278,7 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
         result, _, _ = release(project, instance, report_json(3.0, 4.0, export_sha256=first))
         assert result.success and store.read_json(f"{RELEASE_DIR}/release.json")["target"] == "target-a"
         assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
-            RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+            RELEASED: (tmp_path / "release", "eagle3")
         }
 
         # Another target: its drafter is judged alone (the old release is not served beside it) ...
@@ -318,7 +324,7 @@ def test_a_drafter_released_for_another_target_is_no_baseline_and_the_new_target
     # A release made before releases named their target stays the baseline (replacing one cannot be undone).
     store.write_json(f"{RELEASE_DIR}/release.json", {"acceptance": {"k3": 2.0}})
     assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
-        RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+        RELEASED: (tmp_path / "release", "eagle3")
     }
 
 
@@ -340,7 +346,7 @@ def test_drafter_eval_serves_the_released_drafter_and_the_reference_beside_ours_
     )
     (reference / "model.safetensors").write_bytes(b"")
     assert beside_drafters(store, EvaluationSettings(reference_drafter=str(reference)), tmp_path) == {
-        RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3"), "reference": (reference, "eagle3")
+        RELEASED: (tmp_path / "release", "eagle3"), "reference": (reference, "eagle3")
     }
 
 
@@ -364,7 +370,7 @@ def test_the_release_takes_the_better_family_and_the_other_stays_unreleased_nami
         assert beside_drafters(store, EvaluationSettings(), tmp_path)[RELEASED][1] == "dflash"  # served as DFlash
 
         # Both retrained, each served beside the released DFlash drafter: EAGLE-3 now beats it, DFlash does not.
-        beside = {RELEASED: report_json(2.6, 3.9, dir="release")}
+        beside = {RELEASED: report_json(2.6, 3.9, dir="release", export_sha256=release_digest(store))}
         eagle3.write_json(EVAL_REPORT_FILE, report_json(2.7, 4.0, export_sha256=write_export(eagle3, 3.0), beside=beside))
         dflash.write_json(EVAL_REPORT_FILE, report_json(2.5, 3.8, export_sha256=write_export(dflash, 4.0), beside=beside))
         result, meta, check = release(project, instance, families=("eagle3", "dflash"))
@@ -375,7 +381,7 @@ def test_the_release_takes_the_better_family_and_the_other_stays_unreleased_nami
         assert store.read_json(f"{RELEASE_DIR}/release.json")["family"] == "eagle3"
 
         # Neither beats the release: nothing is promoted, and the check names each family's figures.
-        beside = {RELEASED: report_json(2.7, 4.0, dir="release")}
+        beside = {RELEASED: report_json(2.7, 4.0, dir="release", export_sha256=release_digest(store))}
         eagle3.write_json(EVAL_REPORT_FILE, report_json(2.6, 3.9, export_sha256=write_export(eagle3, 5.0), beside=beside))
         dflash.write_json(EVAL_REPORT_FILE, report_json(2.7, 3.95, export_sha256=write_export(dflash, 6.0), beside=beside))
         result, meta, check = release(project, instance, families=("eagle3", "dflash"))
@@ -411,10 +417,10 @@ def test_a_target_moved_or_linked_with_the_same_bytes_keeps_its_release_as_the_b
         for name, trust in ((str(link), False), (f"file://{model}", True)):
             project = project_for(name, trust)
             assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
-                RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+                RELEASED: (tmp_path / "release", "eagle3")
             }
             worse = write_export(store, 2.0)
-            beside = {RELEASED: report_json(2.9, 3.4, dir="release")}
+            beside = {RELEASED: report_json(2.9, 3.4, dir="release", export_sha256=release_digest(store))}
             result, _, check = release(project, instance, report_json(1.3, 1.5, export_sha256=worse, beside=beside))
             assert not result.success and check.description == (
                 "the new export serves at mean acceptance length 1.300 at k=3, the released drafter at 2.900 (same "
@@ -442,7 +448,7 @@ def test_a_release_made_before_targets_were_known_by_their_bytes_stays_the_basel
         assert materialize([target_model], resources={"project": project}, instance=instance).success
     assert target_version(store) == target_identity(str(tiny_target_dir)) != then
     assert beside_drafters(store, EvaluationSettings(), tmp_path) == {
-        RELEASED: (tmp_path / "store" / RELEASE_DIR, "eagle3")
+        RELEASED: (tmp_path / "release", "eagle3")
     }
     # A release made then for another target is still another target's.
     store.write_json(f"{RELEASE_DIR}/release.json", {"target": "0123456789abcdef", "acceptance": {"k3": 2.9}})
@@ -450,3 +456,109 @@ def test_a_release_made_before_targets_were_known_by_their_bytes_stays_the_basel
         f"the drafter released at {store.url_of(RELEASE_DIR)} was released for another target (target_model version "
         f"0123456789abcdef, now {target_identity(str(tiny_target_dir))})"
     )
+
+
+# --- the release is decided only against the release that is current now (issue 52, item 1) -------------------------
+
+TWO = ("eagle3", "dflash")
+
+
+def served(store: ArtifactStore, family_dir: ArtifactStore, scale: float, k3: float, k7: float, beside=None) -> str:
+    """A family's export (of `scale`) and its drafter_eval report, served beside `beside` ((k3, k7) of the drafter
+    released now) when given; returns the export's digest."""
+    digest = write_export(family_dir, scale)
+    also = {"beside": {RELEASED: report_json(*beside, export_sha256=release_digest(store))}} if beside else {}
+    family_dir.write_json(EVAL_REPORT_FILE, report_json(k3, k7, export_sha256=digest, **also))
+    return digest
+
+
+def test_a_report_served_beside_an_older_release_never_replaces_the_release_and_its_eval_is_due(tmp_path):
+    """The probe: both families served beside E1; E2 released (DFlash's D2 below E2, above E1); then only an EAGLE-3
+    setting changed and E3 serves worse. D2's old report said it beat E1, and D2 replaced E2."""
+    from eagle3_assets.defs.provenance import Staleness, materialized
+
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(drafters=list(TWO)), store)
+    eagle3, dflash = store, store.child(DFLASH.root)
+    with DagsterInstance.ephemeral() as instance:
+        e1 = served(store, eagle3, 1.0, 2.0, 2.4)
+        served(store, dflash, 2.0, 1.9, 2.3)
+        assert release(project, instance, families=TWO)[0].success and release_digest(store) == e1
+        e2 = served(store, eagle3, 3.0, 2.5, 2.9, beside=(2.0, 2.4))
+        served(store, dflash, 4.0, 2.4, 2.8, beside=(2.0, 2.4))
+        materialized(project, Staleness(project).expected("drafter_eval_dflash"))  # D2's eval, served beside E1
+        assert Staleness(project).problem("drafter_eval_dflash") is None
+        result, meta, _ = release(project, instance, families=TWO)
+        assert result.success and meta["family"].value == "eagle3" and release_digest(store) == e2
+        # A change of release makes every family's eval due: D2 was judged beside E1, not E2.
+        assert Staleness(project).problem("drafter_eval_dflash") == f"made from other inputs: input release: {e1} -> {e2}"
+
+        served(store, eagle3, 5.0, 2.3, 2.6, beside=(2.5, 2.9))  # only an EAGLE-3 setting changed: E3 serves worse
+        result, meta, check = release(project, instance, families=TWO)
+        assert not result.success and not check.passed and meta["promoted"].value is False
+        assert check.description == (
+            "the new export serves at mean acceptance length 2.300 at k=3, the released drafter at 2.500 (same prompts, "
+            f"k and engine): not promoted, the released drafter stays; the drafter_eval_dflash report was served beside "
+            f"another release (sha256 {e1}) than the one at {store.url_of(RELEASE_DIR)} now (sha256 {e2}): not "
+            "promoted; rematerialize drafter_eval_dflash, which serves both"
+        )
+        assert release_digest(store) == e2 and store.read_json(f"{RELEASE_DIR}/release.json")["acceptance"] == {
+            "k3": 2.5, "k7": 2.9
+        }  # fmt: skip
+
+        # D2 served again, beside E2: below it, it stays unreleased by the same rule as any.
+        served(store, dflash, 4.0, 2.4, 2.8, beside=(2.5, 2.9))
+        result, _, check = release(project, instance, families=TWO)
+        assert not result.success and release_digest(store) == e2
+        assert "the new export serves at mean acceptance length 2.400 at k=3, the released drafter at 2.500" in (
+            check.description
+        )
+
+
+def test_a_report_made_before_the_first_release_does_not_keep_the_better_family_from_being_released(tmp_path):
+    """The variant: DFlash's report predated the first release, `decide` raised for it, and the asset failed, so the
+    better EAGLE-3 was not released either; the message named drafter_eval, the wrong asset."""
+    store = ArtifactStore(tmp_path / "store")
+    eagle3, dflash = store, store.child(DFLASH.root)
+    with DagsterInstance.ephemeral() as instance:
+        e1 = served(store, eagle3, 1.0, 2.0, 2.4)
+        assert release(Project(tiny_settings(), store), instance)[0].success  # E1, while only EAGLE-3 was trained
+        served(store, dflash, 2.0, 2.2, 2.5)  # served before E1 was released: nothing beside it
+        e2 = served(store, eagle3, 3.0, 2.5, 2.9, beside=(2.0, 2.4))
+        result, meta, check = release(Project(tiny_settings(drafters=list(TWO)), store), instance, families=TWO)
+        assert result.success and check.passed and meta["family"].value == "eagle3" and release_digest(store) == e2
+        assert check.description == (
+            "at least as good as the released drafter: k=3 2.500 >= 2.000, k=7 2.900 >= 2.400; a drafter is released "
+            f"({store.url_of(RELEASE_DIR)}, sha256 {e1}) but the drafter_eval_dflash report has no figures of it served "
+            "beside the new export (made before it was released): not promoted; rematerialize drafter_eval_dflash, "
+            "which serves both"
+        )
+
+
+def test_a_promotion_that_lost_its_lease_while_it_uploads_publishes_nothing(tmp_path, monkeypatch):
+    """Issue 52, item 2: `decide`/`promote` wrote through the unguarded store, so a promoter whose lease was taken
+    over still replaced the release with its stale decision."""
+    from dataclasses import asdict
+
+    from eagle3_assets import storage
+    from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR
+    from eagle3_assets.leases import READ_EVERY_S, Lease
+
+    store = ArtifactStore(tmp_path / "store")
+    project = Project(tiny_settings(), store)
+    with DagsterInstance.ephemeral() as instance:
+        released = served(store, store, 1.0, 2.0, 2.4)
+        assert release(project, instance)[0].success
+        served(store, store, 2.0, 2.5, 2.9, beside=(2.0, 2.4))
+
+        def taken_over(name: str) -> None:  # another promoter takes the lease while this one uploads
+            if name == f"put_dir:{RELEASE_DIR}:uploaded":
+                time.sleep(READ_EVERY_S)
+                other = Lease(store, PROMOTION_LEASE_DIR, "run-took-over")
+                store.write_json(f"{PROMOTION_LEASE_DIR}/_LEASE.json", asdict(other.me))
+
+        monkeypatch.setattr(storage, "crash_point", taken_over)
+        result, _, _ = release(project, instance)
+    assert not result.success
+    assert "lost its lease: taken over by host" in result.failure_data_for_node("drafter_release").error.message
+    assert release_digest(store) == released and store.listdir("drafter") == ["export", "promotion", "release"]

@@ -299,3 +299,125 @@ def test_a_start_command_that_lost_its_lease_launches_nothing_more(tmp_path):
             assert instance.get_runs() == []  # nothing launched
     finally:
         taker.release()
+
+
+# --- one settler (issue 52, item 2): on an object store, and on a local disk without RENAME_EXCHANGE ------------------
+
+QUICK = dict(expiry_s=1.0, heartbeat_s=0.25, settle_s=0.1)
+RELEASE, PROMOTION = "drafter/release", "drafter/promotion"
+
+
+def _replacing_store(tmp_path, monkeypatch, where: str) -> ArtifactStore:
+    """A store where a directory is replaced through its intent: memory://, or a local disk without the exchange."""
+    import uuid
+
+    from eagle3_assets import storage
+
+    if where == "memory":
+        return ArtifactStore(f"memory://settle-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setattr(storage, "exchange", lambda a, b: False)  # as on NFS, Lustre, some FUSE mounts
+    return ArtifactStore(tmp_path / "root")
+
+
+@pytest.mark.parametrize("where", ["memory", "local-no-exchange"])
+def test_a_promoter_paused_past_its_lease_mid_replacement_never_overwrites_the_release_made_after_it(
+    tmp_path, monkeypatch, where
+):
+    """The guard ran once, before the intent: a promoter frozen after it woke and went on with its roll-forward, deleting
+    the release the one that took over had made meanwhile, and leaving `drafter/` empty."""
+    from eagle3_assets import storage
+    from eagle3_assets.leases import LeaseLost
+
+    from .test_storage import _put_dirs
+
+    old, new = _put_dirs(tmp_path)
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "release.json").write_text("newer")
+    store = _replacing_store(tmp_path, monkeypatch, where)
+    store.put_dir(old, RELEASE)
+    paused = Lease(store, PROMOTION, "run-paused", **QUICK).acquire()
+    took_over: list[str] = []
+
+    def freeze(name: str) -> None:
+        if name == f"put_dir:{RELEASE}:intent" and not took_over:
+            took_over.append(name)
+            paused._stop.set()  # frozen as by SIGSTOP: no heartbeat either
+            paused._beat.join()
+            time.sleep(QUICK["expiry_s"] + 0.1)
+            with Lease(store, PROMOTION, "run-taker", **QUICK) as taker:  # settles the paused one's, then replaces it
+                store.guarded(taker.check).put_dir(newer, RELEASE)
+
+    monkeypatch.setattr(storage, "crash_point", freeze)
+    with pytest.raises(LeaseLost, match=r"lost its lease: its last renewal was \d+s ago, past the 1s expiry"):
+        store.guarded(paused.check).put_dir(new, RELEASE)
+    paused.release()
+    assert took_over and store.listdir(RELEASE) == ["release.json"]
+    assert store.read_text(f"{RELEASE}/release.json") == "newer"
+
+
+@pytest.mark.parametrize("where", ["memory", "local-no-exchange"])
+def test_a_reader_waits_while_the_owner_of_a_replacement_lives_and_settles_it_in_the_stead_of_a_killed_one(
+    tmp_path, monkeypatch, where
+):
+    """`drafter_eval` and training rank 0 settled the release with no lease: beside a live promoter's roll-forward,
+    two settlers raced. Now a reader settles only when it can hold the owner's lease; the intent names its writer."""
+    from eagle3_assets import storage
+    from eagle3_assets.leases import settled
+    from eagle3_assets.storage import StoreError
+
+    from .test_storage import Killed, _found, _put_dirs
+
+    old, new = _put_dirs(tmp_path)
+    store = _replacing_store(tmp_path, monkeypatch, where)
+    store.put_dir(old, RELEASE)
+
+    def kill_at(name: str) -> None:
+        if name == f"put_dir:{RELEASE}:removed":
+            raise Killed(name)
+
+    monkeypatch.setattr(storage, "crash_point", kill_at)
+    with Lease(store, PROMOTION, "run-killed", **QUICK) as killed, pytest.raises(Killed):
+        store.guarded(killed.check, killed.me.describe()).put_dir(new, RELEASE)
+    monkeypatch.setattr(storage, "crash_point", lambda name: None)
+    assert not store.exists(RELEASE)
+    with Lease(store, PROMOTION, "run-live", **QUICK):  # an owner lives: the reader touches nothing, and says whose
+        with pytest.raises(StoreError, match=r"/drafter/release is still mid-replacement after 0s \(.*/drafter/"
+                           r"\.release\.replacing\.json is there, written by host .*, pid \d+, run run-killed, since "
+                           r".* UTC\): the process that owns it settles it before it reads"):  # fmt: skip
+            settled(store, RELEASE, PROMOTION, timeout_s=0.0, poll_s=0.05, **QUICK)
+        assert not store.exists(RELEASE)
+    settled(store, RELEASE, PROMOTION, poll_s=0.05, **QUICK)  # nobody holds it: settled in the killed one's stead
+    assert _found(store) == "new" and not store.exists(f"{PROMOTION}/_LEASE.json")
+    settled(store, RELEASE, PROMOTION, **QUICK)  # nothing pending: no lease taken
+
+
+def test_a_renewal_stuck_in_the_store_never_hangs_the_release_and_one_delayed_past_its_margin_is_not_written(
+    tmp_path, capsys
+):
+    """Issue 52, item 11: `release()` joined the heartbeat with no timeout; and a renewal delayed between its read and
+    its write landed over the lease of the process that had taken over meanwhile."""
+    import threading
+
+    from eagle3_assets.leases import LeaseLost, _clock
+
+    store = ArtifactStore(tmp_path / "store")
+    hung = threading.Event()
+    lease = Lease(store, "drafter", "run-a", **FAST).acquire()
+    lease.store = store.guarded(hung.wait)  # every write from now on hangs, as a request to a store that never answers
+    time.sleep(FAST["heartbeat_s"] * 2)
+    lease.release()
+    assert capsys.readouterr().err == (
+        f"lease {store.url_of('drafter')}: a renewal is still writing after 2s; not released, it expires 2s after it "
+        "lands\n"
+    )
+    hung.set()
+
+    late = Lease(store, "promotion", "run-b", **FAST).acquire()
+    late._stop.set()  # its heartbeat stands still: the renewal below is the delayed one
+    late._beat.join()
+    late._renewed_at = _clock() - (FAST["expiry_s"] - FAST["settle_s"] / 2)
+    before = store.read_json("promotion/_LEASE.json")
+    with pytest.raises(LeaseLost, match=r"lost its lease: its renewal came 2s after the last, too late to write safely"):
+        late._renew()
+    assert store.read_json("promotion/_LEASE.json") == before

@@ -286,7 +286,7 @@ def test_a_reader_that_does_not_own_a_directory_waits_for_its_owner_to_settle_it
         ArtifactStore(url).put_dir(new, "drafter/release")
     monkeypatch.undo()
     reader, owner = ArtifactStore(url), ArtifactStore(url)
-    with pytest.raises(StoreError, match=r"drafter/release is still mid-replacement after 0s \(.*\.replacing\.json is there\)"):
+    with pytest.raises(StoreError, match=r"drafter/release is still mid-replacement after 0s \(.*/drafter/\.release\.replacing\.json is there, written by host .*, pid \d+\): the process that owns it"):
         reader.wait_settled("drafter/release", timeout_s=0.3, poll_s=0.05)
     assert not reader.exists("drafter/release")  # the reader touched nothing
 
@@ -334,3 +334,92 @@ def test_a_local_copy_leaves_out_what_it_is_not_asked_for_and_sweeps_dead_copies
         "config.json", "original/consolidated.00.pth"
     ]
     assert sorted(p.name for p in second.parent.iterdir() if not p.name.startswith(".")) == ["model@v2"]
+
+
+# --- the intent (issue 52, item 8): written atomically; a torn one never wedges later publishes ---------------------
+
+
+def test_a_disk_that_fills_as_the_intent_is_written_leaves_no_intent_and_the_old_directory(small_tmpfs: Path, monkeypatch):
+    """The intent was written by a plain `pipe_file`: a full disk left it 0 bytes, and every later publish and resume
+    failed on a bare JSONDecodeError until a person deleted a hidden file."""
+    from eagle3_assets import storage
+
+    monkeypatch.setattr(storage, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE: the intent
+    old, new = _put_dirs(small_tmpfs.parent)
+    store = ArtifactStore(small_tmpfs / "store")
+    store.put_dir(old, "drafter/release")
+
+    def fill(name: str) -> None:  # another writer takes the last bytes once the new copy is uploaded
+        if name == "put_dir:drafter/release:uploaded":
+            with open(small_tmpfs / "filler", "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"x" * 512)
+                except OSError:
+                    pass
+
+    monkeypatch.setattr(storage, "crash_point", fill)
+    with pytest.raises(StoreRefusal, match=r"^cannot write file://.*/store/drafter/\.release\.replacing\.json: "
+                       r"\[Errno 28\] No space left on device"):  # fmt: skip
+        store.put_dir(new, "drafter/release")
+    assert sorted(os.listdir(small_tmpfs / "store/drafter")) == ["release"]  # no intent, no copy left
+    os.remove(small_tmpfs / "filler")
+    monkeypatch.setattr(storage, "crash_point", lambda name: None)
+    assert _found(store) == "old"
+    store.put_dir(new, "drafter/release")
+    assert _found(store) == "new"
+
+
+@pytest.mark.parametrize("torn", [b"", b'{"from": ".release.tmp-'])
+def test_a_torn_intent_an_older_writer_left_is_dropped_naming_it_and_the_next_publish_goes_on(tmp_path: Path, capfd, torn: bytes):
+    from eagle3_assets import storage
+
+    old, new = _put_dirs(tmp_path)
+    url = f"memory://torn-{uuid.uuid4().hex[:8]}"
+    store = ArtifactStore(url)
+    store.put_dir(old, "drafter/release")
+    store.fs.put(f"{new}/", store.path("drafter/.release.tmp-0123456789ab"), recursive=True)  # its complete copy
+    store.fs.pipe_file(store.path("drafter/.release.replacing.json"), torn)
+    assert store.settle("drafter/release")
+    assert capfd.readouterr().err == (
+        f"{store.url_of('drafter/.release.replacing.json')}: a torn intent (not JSON: a full disk or a kill while it "
+        f"was written) is removed; {store.url_of('drafter/release')} keeps the copy it had\n"
+    )
+    assert _found(store) == "old"
+    assert store.remove_temporaries("drafter") == 1
+    store.fs.pipe_file(store.path("drafter/.release.replacing.json"), torn)
+    store.put_dir(new, "drafter/release")  # the next publish settles it first, then replaces
+    assert _found(store) == "new"
+    assert store.fs.ls(store.path("drafter"), detail=False) == [store.path("drafter/release")]
+
+
+def test_a_killed_trainers_and_promoters_temporaries_are_swept_each_by_its_owner_and_a_killed_ranks_staging_too(
+    tmp_path: Path,
+):
+    """Issue 52, item 12: `.export.tmp-*`, `.release.tmp-*`, `.tensorboard.tmp-*` and a killed rank's local
+    `drafter-export-*` staging copy were never swept. Each owner sweeps its own: the release's copies beside a
+    family's export are the promotion's, never the trainer's to remove."""
+    from eagle3_assets.drafter.run import sweep_killed_writes
+    from eagle3_assets.processes import pid_prefix, remove_dead_tempdirs
+
+    store = ArtifactStore(tmp_path / "store")
+    left = [".export.tmp-0123456789ab", ".tensorboard.tmp-0123456789ab", ".release.tmp-0123456789ab",
+            "..release.replacing.json.tmp-0123456789ab", "export"]  # fmt: skip
+    for name in left:
+        (tmp_path / "store/drafter" / name).mkdir(parents=True)
+    (tmp_path / "store/drafter/tensorboard/.run_from_step_40.tmp-0123456789ab").mkdir(parents=True)
+    assert sweep_killed_writes(store) == ["1 export", "2 tensorboard"]
+    assert sorted(os.listdir(tmp_path / "store/drafter")) == [
+        "..release.replacing.json.tmp-0123456789ab", ".release.tmp-0123456789ab", "export", "tensorboard"
+    ]  # fmt: skip
+    assert store.remove_temporaries("drafter", "release") == 2  # by the promotion, under its lease
+    assert sorted(os.listdir(tmp_path / "store/drafter")) == ["export", "tensorboard"]
+
+    staging = tmp_path / "tmp"
+    killed = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, mine = staging / f"drafter-export-{killed.stdout.strip()}-abc", staging / f"{pid_prefix('drafter-export-')}abc"
+    for d in (dead, mine):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    assert remove_dead_tempdirs("drafter-export-", staging) == [dead.name]
+    assert sorted(os.listdir(staging)) == [mine.name]  # this live process's is kept

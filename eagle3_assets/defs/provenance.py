@@ -32,6 +32,7 @@ from dagster import (
 )
 
 from eagle3_assets.artifacts import ARTIFACTS
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import (
     Inputs,
@@ -64,6 +65,7 @@ def materialized(
     artifact's content where that is cheap; else its content identity where it has one (the target's,
     `provenance.data_version`), else the provenance stands for it."""
     record = Record(want, version or data_version(want) or want.made_from, extra or {})
+    crash_point(f"record:{want.asset}")
     write_record(project.store, record, partition)
     return {
         "data_version": DataVersion(record.version),

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from eagle3_assets.drafter.distributed import DistEnv
+from eagle3_assets.drafter.export import TRAINER_LEASE_DIR
 from eagle3_assets.drafter.launch import EXIT_REFUSED
 from eagle3_assets.drafter.report import Report, open_report
 from eagle3_assets.drafter.run import DrafterRun, run_figures, train_and_export
@@ -35,7 +36,6 @@ from eagle3_assets.project import Project
 from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.tokenized import TokenizedSet
 
-DRAFTER_DIR = "drafter"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torch's elastic launcher in every rank's environment
 TORCHRUN_NAMES = ("torch.distributed.run", "torchrun")
 
@@ -59,10 +59,10 @@ def train(report: Report, max_steps: int | None, family: FamilySpec = EAGLE3) ->
             )
     # One trainer per drafter directory, whoever started it (another $DAGSTER_HOME, a second start command):
     # rank 0 holds the lease and checks it before each checkpoint, record and delete; the others write nothing.
-    lease_dir = f"{family.root}/{DRAFTER_DIR}".lstrip("/")
+    lease_dir = f"{family.root}/{TRAINER_LEASE_DIR}".lstrip("/")
     lease = Lease(store, lease_dir, os.environ.get(RUN_ID_ENV, "")) if DistEnv.from_environ().is_main else None
     with lease or nullcontext():
-        owned = store.guarded(lease.check) if lease else store
+        owned = store.guarded(lease.check, lease.me.describe()) if lease else store
         run = train_and_export(
             owned, target, settings, [s.key for s in shards], on_metrics=report.metrics, on_eval=report.evaluation,
             log=report.log, max_steps=max_steps, family=family,

@@ -10,7 +10,8 @@ this store keeps them (`HISTORY_FILE`, one point per family, k and export) and c
                                                        (served - 1) / (estimate - 1)
 
 on the tokens beyond the one every target forward gives (a drafter estimated at 1.0 serves 1.0, whatever the
-ratio). A family with no past point at that k has no calibrated figure: it is reported as not calibrated, never
+ratio). A point whose estimate is within `MIN_EXCESS` of 1.0 says nothing of the ratio (1.001 would multiply it by a
+thousand): it is kept, never used. A family with no past point at that k has no calibrated figure: it is reported as not calibrated, never
 borrowed from another family (their ratios differ), nor from points served against another target, other eval
 prompts or another engine (`measured_against`). `leave_one_out` is how the correction is judged (BENCHMARKS.md).
 """
@@ -18,15 +19,22 @@ prompts or another engine (`measured_against`). `leave_one_out` is how the corre
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from eagle3_assets.drafter.release import target_version
+from eagle3_assets.leases import RUN_ID_ENV, Lease, LeaseHeld
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE
 from eagle3_assets.provenance import digest
 from eagle3_assets.storage import ArtifactStore
 
 HISTORY_FILE = "drafter_eval/estimate_history.json"  # at the store's top: every family's points in one list
+# Every family's eval adds to the one history: one rewrite at a time, under this lease (two evals at once kept both).
+HISTORY_LEASE_DIR = "drafter_eval/history"
+HISTORY_WAIT_S = 300.0
+MIN_EXCESS = 0.05  # the least estimate - 1 a point must have to calibrate
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ def correction(
     None without any."""
     usable = [
         p for p in points
-        if p.family == family and p.k == k and p.against == against and p.estimate > 1.0
+        if p.family == family and p.k == k and p.against == against and p.estimate - 1.0 >= MIN_EXCESS
         and not (leave_out and p.export_sha256 == leave_out)
     ]  # fmt: skip
     if not usable:
@@ -128,13 +136,22 @@ def load_history(store: ArtifactStore) -> list[EstimatePoint]:
     return [EstimatePoint(**p) for p in store.read_json(HISTORY_FILE)["points"]]
 
 
-def record(store: ArtifactStore, new: Sequence[EstimatePoint]) -> list[EstimatePoint]:
-    """Add `new` to the history (an export evaluated again replaces its own points at those k); the history."""
-    replaced = {(p.family, p.k, p.export_sha256) for p in new if p.export_sha256}
-    kept = [p for p in load_history(store) if (p.family, p.k, p.export_sha256) not in replaced]
-    points = [*kept, *new]
-    store.write_json(HISTORY_FILE, {"points": [asdict(p) for p in points]})
-    return points
+def record(store: ArtifactStore, new: Sequence[EstimatePoint], wait_s: float = HISTORY_WAIT_S) -> list[EstimatePoint]:
+    """Add `new` to the history (an export evaluated again replaces its own points at those k); the history. One
+    writer at a time (`HISTORY_LEASE_DIR`): another family's eval recording now is waited for, up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with Lease(store, HISTORY_LEASE_DIR, os.environ.get(RUN_ID_ENV, "")) as lease:
+                replaced = {(p.family, p.k, p.export_sha256) for p in new if p.export_sha256}
+                kept = [p for p in load_history(store) if (p.family, p.k, p.export_sha256) not in replaced]
+                points = [*kept, *new]
+                store.guarded(lease.check).write_json(HISTORY_FILE, {"points": [asdict(p) for p in points]})
+                return points
+        except LeaseHeld:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def exported_estimate(metrics: dict[str, object], k: int) -> float | None:

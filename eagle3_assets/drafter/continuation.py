@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
-from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.drafter.release import IMPORTED, PROMOTION_LEASE_DIR, RELEASE_DIR, RELEASE_RECORD, export_digest
 from eagle3_assets.families import FamilySpec
+from eagle3_assets.leases import settled
 from eagle3_assets.provenance import settings_read
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -158,10 +159,10 @@ def imported_plan(
 
 def read_release(store: ArtifactStore, *, owner: bool = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(release.json, the release's trained_on.json), each None when absent. A replacement a kill interrupted is
-    finished first, never read half done: by the `owner` (one process: rank 0 of a training job); the others wait
-    for it."""
+    finished first, never read half done, by its owner (the promotion: `leases.settled`), or by one process of a
+    training job (`owner`, rank 0) in its stead when no promotion lives; the others wait for it."""
     if owner:
-        store.settle(RELEASE_DIR)
+        settled(store, RELEASE_DIR, PROMOTION_LEASE_DIR)
     else:
         store.wait_settled(RELEASE_DIR)
     if not store.exists(RELEASE_RECORD):

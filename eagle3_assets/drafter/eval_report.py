@@ -58,10 +58,14 @@ class Served:
     acceptance: dict[str, float]
     outputs_match_greedy: bool
     bins: ContextBins = field(default_factory=ContextBins)
+    sha256: str = ""  # of a drafter served beside: the digest of the weights served ("": a report made before)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Served:
-        return cls(acceptance_of(body), bool(body.get("outputs_match_greedy", False)), ContextBins.from_json(body))
+        return cls(
+            acceptance_of(body), bool(body.get("outputs_match_greedy", False)), ContextBins.from_json(body),
+            str(body.get("export_sha256", "")),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ length and the acceptance rate per draft position, the eval file named.
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -43,6 +45,7 @@ from transformers import PreTrainedTokenizerBase
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.calibration import (
+    HISTORY_FILE,
     EstimatePoint,
     correction,
     exported_estimate,
@@ -53,12 +56,12 @@ from eagle3_assets.drafter.calibration import (
 from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, split_group, too_small
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
-from eagle3_assets.drafter.export import EXPORT_DIR, load_export
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR, load_export
 from eagle3_assets.drafter.release import (
+    PROMOTION_LEASE_DIR,
     RELEASE_DIR,
     RELEASE_RECORD,
     RELEASED,
-    export_digest,
     other_target,
     target_version,
 )
@@ -66,8 +69,9 @@ from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, heldout_metrics
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
-from eagle3_assets.errors import Refusal
+from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.families import EAGLE3, FamilySpec, family_spec
+from eagle3_assets.leases import settled
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
@@ -128,11 +132,15 @@ class EvalReport:
     near_ties: list[dict] = field(default_factory=list)  # outputs that part where greedy's choice was a near tie
     beside: dict[str, dict[str, Any]] = field(default_factory=dict)  # other drafters served: name -> their figures
 
-    def add_beside(self, name: str, directory: str, k: int, plain: GenerationResult, spec: GenerationResult) -> None:
-        """Another drafter's run at k: its acceptance in the report's form, and whether its output stayed greedy."""
-        figures = self.beside.setdefault(
-            name, {"dir": directory, "outputs_match_greedy": True, PROMPTS_BY_BIN: self.bins, ACCEPTANCE_BY_BIN: {}}
-        )
+    def add_beside(
+        self, name: str, directory: str, k: int, plain: GenerationResult, spec: GenerationResult, sha256: str = ""
+    ) -> None:
+        """Another drafter's run at k: its acceptance in the report's form, whether its output stayed greedy, and which
+        weights were served (`sha256`: the release a report was served beside, `release.released_figures`)."""
+        figures = self.beside.setdefault(name, {
+            "dir": directory, "export_sha256": sha256, "outputs_match_greedy": True, PROMPTS_BY_BIN: self.bins,
+            ACCEPTANCE_BY_BIN: {},
+        })  # fmt: skip
         figures[f"mean_acceptance_length_k{k}"] = round(spec.mean_acceptance_length, 4)
         figures[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in spec.acceptance_per_position]
         figures["outputs_match_greedy"] &= spec.outputs == plain.outputs
@@ -291,7 +299,7 @@ def beside_drafters(
     elif store.exists(RELEASE_RECORD):
         # Releases before families were EAGLE-3's.
         family = family_spec(store.read_json(RELEASE_RECORD).get("family", EAGLE3.name))
-        out[RELEASED] = (local_copy(store, RELEASE_DIR, tmp / "release"), family.vllm_method)
+        out[RELEASED] = (served_copy(store, RELEASE_DIR, tmp / "release"), family.vllm_method)
     if settings.reference_drafter is not None:
         ref = Path(settings.reference_drafter)
         missing = [n for n in ("config.json", "model.safetensors") if not (ref / n).is_file()]
@@ -304,13 +312,22 @@ def beside_drafters(
     return out
 
 
-def local_copy(store: ArtifactStore, rel: str, dest: Path) -> Path:
-    """`rel` as a local directory: itself on a local store, else copied to `dest` (engines load local paths)."""
-    local = store.local_path(rel)
-    if local is not None:
-        return local
+def served_copy(store: ArtifactStore, rel: str, dest: Path) -> Path:
+    """`rel` copied to the local directory `dest`, which the engines load: never the store's own directory, even on a
+    local store, where a promotion or an export swapped in between two passes would mix two drafters in one report."""
+    if dest.exists():
+        shutil.rmtree(dest)
     store.fs.get(store.path(rel) + "/", str(dest), recursive=True)
     return dest
+
+
+def weights_sha256(directory: Path) -> str:
+    """sha256 of the drafter's weights in `directory` (`release.export_digest` of a copy): what was served."""
+    h = hashlib.sha256()
+    with open(directory / "model.safetensors", "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, max_tokens: int) -> float:
@@ -346,7 +363,10 @@ def calibrate(
             )
         points.append(EstimatePoint(family, k, est, served, report.export_sha256, against))
     if points:
-        record(store, points)
+        try:
+            record(store, points)
+        except Eagle3Error as e:  # hours of serving are never lost to the history: the report is written all the same
+            log(f"drafter_eval: this evaluation's points are not kept in {store.url_of(HISTORY_FILE)} ({e})")
 
 
 def evaluate_drafter(
@@ -361,8 +381,9 @@ def evaluate_drafter(
     """Serve `family`'s export with the target on the held-out prompts (by its vLLM method); writes
     `drafter_eval/report.json` in the family's directory (`FamilySpec.root`)."""
     out = store.child(family.root)
-    out.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
-    store.settle(RELEASE_DIR)
+    # A replacement a kill interrupted is finished by its owner, never read half done.
+    settled(out, EXPORT_DIR, TRAINER_LEASE_DIR)
+    settled(store, RELEASE_DIR, PROMOTION_LEASE_DIR)
     prompts = load_eval_prompts(store)
     tokenizer = load_tokenizer(target)
     prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
@@ -374,7 +395,7 @@ def evaluate_drafter(
     report = EvalReport(
         prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)),
         prompts_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
-        export_sha256=export_digest(out), context_bin_edges=list(edges),
+        context_bin_edges=list(edges),
         min_prompts_per_bin=settings.evaluation.min_prompts_per_bin, bins=prompts_per_bin(lengths, edges),
     )  # fmt: skip
     if small := report.too_small_bins:
@@ -384,10 +405,11 @@ def evaluate_drafter(
             + ", ".join(f"{b} ({report.bins[b]})" for b in small)
         )
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
-        export_dir = local_copy(out, EXPORT_DIR, Path(tmp) / "export")
-        beside = [(name, d, method, k)
-                  for name, (d, method) in beside_drafters(store, settings.evaluation, Path(tmp), log).items()
-                  for k in SPECULATIVE_TOKENS]  # fmt: skip
+        export_dir = served_copy(out, EXPORT_DIR, Path(tmp) / "export")
+        report.export_sha256 = weights_sha256(export_dir)
+        drafters = beside_drafters(store, settings.evaluation, Path(tmp), log)
+        served = {name: weights_sha256(d) for name, (d, _) in drafters.items()}
+        beside = [(name, d, method, k) for name, (d, method) in drafters.items() for k in SPECULATIVE_TOKENS]
 
         variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
         labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
@@ -432,8 +454,9 @@ def evaluate_drafter(
         )
         for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
             report.add_run(k, zeroed, plain, spec, log)
+        where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
         for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
-            report.add_beside(name, str(d), k, plain, spec)
+            report.add_beside(name, where.get(name, str(d)), k, plain, spec, served[name])
         # By token class through EAGLE-3's TTT unroll; a block drafter's classes would need its own (not yet).
         if family.token_classes:
             log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")

@@ -22,10 +22,15 @@ from safetensors.torch import load_file, save_file
 from eagle3_assets.drafter.checkpoint import non_finite
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.model import MLA_FIELDS, DrafterConfig, Eagle3Drafter
+from eagle3_assets.processes import pid_prefix
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
 
 EXPORT_DIR = "drafter/export"
+# The lease of the trainer that writes a family's export (`drafter/__main__.py`), in the family's directory: the owner
+# that settles the export; other readers wait for it (`leases.settled`).
+TRAINER_LEASE_DIR = "drafter"
+EXPORT_STAGING = "drafter-export-"  # the local directory an export is assembled in (`processes.pid_prefix`)
 # What the export was trained on (`continuation.py`), published with it and copied into the release.
 TRAINED_ON_FILE = "trained_on.json"
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
@@ -254,7 +259,7 @@ def publish_export(
         n: t.detach().cpu().contiguous() if n in ("d2t", "t2d") else t.detach().to(_DTYPES[dtype]).cpu().contiguous()
         for n, t in tensors.items()
     }
-    with tempfile.TemporaryDirectory(prefix="drafter-export-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=pid_prefix(EXPORT_STAGING)) as tmp:
         save_file(out, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if write_extra is not None:

@@ -12,6 +12,13 @@ same engine: `evaluate.py`); its report decides. The new export is promoted (cop
     not judged, and a release made before bins existed is compared on the whole set alone, as before.
 Otherwise the released drafter stays and the decision's reason names both figures (and the bin).
 
+A report is a basis for promotion only against the release it was served beside (`beside["released"]` names the
+digest of the weights it served, `release_digest`): served beside another release, or before anything was released,
+its family is not promoted and its eval is named to rematerialize (a change of release makes every family's eval due,
+`artifacts.Artifact.beside_release`); the other families are still judged. The family whose export is the release
+already was judged when it was promoted (its eval stays current, `artifacts.RELEASE_JUDGED`): it stays, unless another
+family serves at least as well beside it.
+
 A release belongs to the target it was released for (`release.json` keeps the version of the store's
 `target_model`, docs/DESIGN.md §9). A drafter released for another target is no baseline: it is not served
 beside the new export, and the new export is judged as a first release, which replaces it only once a person
@@ -26,24 +33,27 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_assets.artifacts import RELEASE_DIR, RELEASE_JUDGED
 from eagle3_assets.drafter.eval_report import PROMPTS_BY_BIN, ContextBins, ServedReport
-from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR
 from eagle3_assets.errors import Refusal
-from eagle3_assets.families import EAGLE3
-from eagle3_assets.provenance import read_record
+from eagle3_assets.families import EAGLE3, family_spec
+from eagle3_assets.leases import settled
+from eagle3_assets.provenance import judged, read_record
 from eagle3_assets.storage import ArtifactStore
 
-RELEASE_DIR = "drafter/release"
 RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
 RELEASE_ACCEPTANCE_BY_BIN = "acceptance_by_context_bin"  # in release.json, beside "acceptance"
 RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
 IMPORTED = "imported"  # in release.json of a published drafter imported as the release: where it came from
 # One promotion at a time decides and publishes: its lease lives beside the release, never in the directory it replaces.
 PROMOTION_LEASE_DIR = "drafter/promotion"
+# In an eval's record (`extra`): the digest of the export its report is of, which ties the record to the report.
+EVALUATED_SHA256 = "export_sha256"
 
 
 class NotComparable(Refusal):
-    """The report is not of the export now in the store, or lacks the released drafter's figures beside it."""
+    """The report is not of the export now in the store, or lacks the figures of the drafter released now beside it."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class Decision:
     reason: str
     candidate: dict[str, float]  # "k3" -> mean acceptance length of the new export
     released: dict[str, float] | None  # the released drafter's, served beside it; None when nothing is released
+    released_now: bool = False  # its export is the release (its own promotion): kept, unless another family beats it
 
 
 def target_version(store: ArtifactStore) -> str:
@@ -145,6 +156,14 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
     return hashlib.sha256(store.read_bytes(f"{rel}/model.safetensors")).hexdigest()
 
 
+def release_digest(store: ArtifactStore) -> str | None:
+    """sha256 of the released drafter's weights (as `promote` recorded it, or read for a release made before), None
+    when nothing is released: which release a report was served beside."""
+    if not store.exists(RELEASE_RECORD):
+        return None
+    return str(store.read_json(RELEASE_RECORD).get("export_sha256") or export_digest(store, RELEASE_DIR))
+
+
 def decide(
     store: ArtifactStore,
     report: ServedReport,
@@ -152,24 +171,50 @@ def decide(
     min_acceptance: float,
     source: ArtifactStore | None = None,
     min_prompts_per_bin: int = 5,
+    family: str = EAGLE3.name,
     approved_target: str | None = None,
 ) -> Decision:
     """`release_decision` on the report of the export now in `source` (a family's directory, `FamilySpec.root`;
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
     release, which replaces a release of another target only when a person approved it for `target`,
-    `evaluation.replace_release_for_target`, saying so)."""
-    source = source or store
-    source.settle(EXPORT_DIR)  # a replacement a kill interrupted is finished, never read half done
+    `evaluation.replace_release_for_target`, saying so). A report that is not of that export, or not served beside
+    that release, is no basis: not promoted, and the reason names `family`'s eval to rematerialize."""
+    try:
+        return _decide(
+            store, report, target, min_acceptance, source or store, min_prompts_per_bin, family, approved_target
+        )
+    except NotComparable as e:
+        return Decision(False, str(e), report.export.acceptance, None)
+
+
+def _decide(
+    store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float, source: ArtifactStore,
+    min_prompts_per_bin: int, family: str, approved_target: str | None,
+) -> Decision:  # fmt: skip
+    # A replacement a kill interrupted is finished, never read half done: the export by its trainer (or in its stead
+    # once none lives), the release here, by its owner (`store` is guarded by the promotion's lease).
+    settled(source, EXPORT_DIR, TRAINER_LEASE_DIR)
     store.settle(RELEASE_DIR)
     if report.export_sha256 != export_digest(source):
+        name = family_spec(family).eval_asset
         raise NotComparable(
-            f"the drafter_eval report ({report.export_sha256 or 'no digest'}) is not of the export now at "
-            f"{source.url_of(EXPORT_DIR)}: rematerialize drafter_eval first"
+            f"the {name} report ({report.export_sha256 or 'no digest'}) is not of the export now at "
+            f"{source.url_of(EXPORT_DIR)}: not promoted; rematerialize {name} first"
         )
     other = other_target(store, target)
+    if other is None and report.export_sha256 == release_digest(store):
+        # The report this release was promoted on (or its eval made again, beside itself): it was judged then, and
+        # every other family's eval was served beside it since (a change of release makes them due).
+        figures = store.read_json(RELEASE_RECORD).get("acceptance") or {}
+        return Decision(
+            True,
+            f"the {family} export is the release (sha256 {report.export_sha256}): it stays, released on "
+            + ", ".join(f"k={k[1:]} {v:.3f}" for k, v in figures.items()),
+            report.export.acceptance, figures, released_now=True,
+        )  # fmt: skip
     decision = release_decision(
         report,
-        None if other else released_figures(store, report),
+        None if other else released_figures(store, report, family),
         min_acceptance,
         None if other else released_bins(store, report),
         min_prompts_per_bin,
@@ -189,15 +234,26 @@ def decide(
     return decision
 
 
-def released_figures(store: ArtifactStore, report: ServedReport) -> dict[str, float] | None:
-    """The released drafter's acceptance served beside the new export (`report`), None when nothing is released."""
-    if not store.exists(RELEASE_RECORD):
+def released_figures(
+    store: ArtifactStore, report: ServedReport, family: str = EAGLE3.name
+) -> dict[str, float] | None:
+    """The released drafter's acceptance served beside the new export (`report`), None when nothing is released.
+    Figures of another drafter than the one released now (served before it was released) are no measure of it."""
+    released = release_digest(store)
+    if released is None:
         return None
-    beside = report.beside.get(RELEASED)
+    beside, name = report.beside.get(RELEASED), family_spec(family).eval_asset
     if beside is None:
         raise NotComparable(
-            f"a drafter is released ({store.url_of(RELEASE_DIR)}) but the drafter_eval report has no figures of it "
-            "served beside the new export: rematerialize drafter_eval, which serves both"
+            f"a drafter is released ({store.url_of(RELEASE_DIR)}, sha256 {released}) but the {name} report has no "
+            f"figures of it served beside the new export (made before it was released): not promoted; rematerialize "
+            f"{name}, which serves both"
+        )
+    if beside.sha256 != released:
+        raise NotComparable(
+            f"the {name} report was served beside another release (sha256 {beside.sha256 or 'not recorded'}) than "
+            f"the one at {store.url_of(RELEASE_DIR)} now (sha256 {released}): not promoted; rematerialize {name}, "
+            "which serves both"
         )
     if not beside.outputs_match_greedy:
         # It no longer serves greedily here (another engine, a changed kernel): its figures now are no measure, and a
@@ -223,8 +279,17 @@ def promote(
     family: str = EAGLE3.name,
 ) -> str:  # fmt: skip
     """Copy `family`'s export (in `source`, the store by default) to `drafter/release/` with the figures it was
-    released on, its family and the version of the target it was released for; returns the release's URL."""
+    released on, its family, the version of the target it was released for and the eval it was judged by
+    (`RELEASE_JUDGED`: that eval stays current, every other one is due); returns the release's URL. The release is
+    left as it is when it already is this export for this target (`Decision.released_now`)."""
     source = source or store
+    if release_digest(store) == report.export_sha256 and other_target(store, target) is None:
+        return store.url_of(RELEASE_DIR)
+    # The eval's record, when it is the one of this report (a record before it, of an eval that failed after its
+    # report, is not): which inputs and which release it was made beside.
+    evaluated = read_record(store, family_spec(family).eval_asset)
+    of_report = evaluated is not None and evaluated.extra.get(EVALUATED_SHA256) == report.export_sha256
+    by = judged(evaluated) if of_report else {}
     with tempfile.TemporaryDirectory(prefix="drafter-release-") as tmp:
         for name in source.listdir(EXPORT_DIR):
             (Path(tmp) / name).write_bytes(source.read_bytes(f"{EXPORT_DIR}/{name}"))
@@ -245,6 +310,7 @@ def promote(
             "export": source.url_of(EXPORT_DIR),
             "export_sha256": report.export_sha256,
             "report": report.about,
+            RELEASE_JUDGED: by,
         }
         (Path(tmp) / "release.json").write_text(json.dumps(record, indent=2) + "\n")
         store.put_dir(tmp, RELEASE_DIR)
@@ -254,14 +320,23 @@ def promote(
 def choose(decisions: dict[str, Decision]) -> tuple[str | None, dict[str, str]]:
     """Across families, each judged against the released drafter by `decide`: the one to promote (the highest mean
     acceptance length at the largest k among those `decide` would promote; on a tie, the first named) and why each
-    other one is not. None when no family passes."""
+    other one is not. A family whose export is the release already (`Decision.released_now`) is chosen only when no
+    other passes: one that serves at least as well beside it, in the same run, replaces it. None when no family
+    passes."""
     passing = [f for f, d in decisions.items() if d.promote]
     reasons = {f: d.reason for f, d in decisions.items() if not d.promote}
     if not passing:
         return None, reasons
+    kept = [f for f in passing if decisions[f].released_now]
+    if len(kept) < len(passing):
+        passing = [f for f in passing if f not in kept]
+    else:
+        kept = []
     k = max(decisions[passing[0]].candidate, key=lambda name: int(name[1:]))
     best = max(passing, key=lambda f: decisions[f].candidate.get(k, 0.0))
     won = decisions[best].candidate
+    for f in kept:
+        reasons[f] = f"the {f} export was the release; {best} serves at least as well beside it: {best} is released"
     for f in passing:
         if f != best:
             mine = decisions[f].candidate

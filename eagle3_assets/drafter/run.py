@@ -29,7 +29,7 @@ from eagle3_assets.drafter.calibration import (
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.continuation import ContinuationPlan, model_loss_settings, plan_continuation, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
-from eagle3_assets.drafter.export import EXPORT_DIR
+from eagle3_assets.drafter.export import EXPORT_DIR, EXPORT_STAGING
 from eagle3_assets.drafter.family import Eagle3, Family, family_of
 from eagle3_assets.drafter.imported_release import import_differences
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
@@ -38,7 +38,8 @@ from eagle3_assets.drafter.sources import continued_line
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
 from eagle3_assets.drafter.vllm_eval import engine_version
 from eagle3_assets.families import EAGLE3, FamilySpec
-from eagle3_assets.provenance import Inputs, Provenance, expected
+from eagle3_assets.processes import remove_dead_tempdirs
+from eagle3_assets.provenance import Inputs, Provenance, expected, mark_replacing
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -69,6 +70,10 @@ def train_and_export(
     """Train `family`'s drafter on `shard_keys` (offline: all of them complete, the caller guards that; rolling: each
     as it passes its check), then export once finished, into the family's directory (`FamilySpec.root`)."""
     main = DistEnv.from_environ().is_main
+    if main:  # its owner: an export replacement a kill interrupted is finished before an eval waits on it
+        if swept := sweep_killed_writes(store.child(family.root)):
+            log(f"drafter: removed what killed writers left ({', '.join(swept)} temporaries)")
+    remove_dead_tempdirs(EXPORT_STAGING)  # a killed rank's staging copy of an export, on this machine
     trained, now, plan, vmap, inputs = run_plan(store, target, settings, shard_keys, family, owner=main)
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
@@ -96,6 +101,7 @@ def train_and_export(
         record = {**now, "continued_from": summary["continued_from"] or None}
         if result.continued and plan.imported:  # where the weights it started from were published
             record["imported"] = plan.imported
+        mark_replacing(store, family.drafter_asset, out.url_of(EXPORT_DIR))
         url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)
     return DrafterRun(result, url, summary)
@@ -140,6 +146,18 @@ def run_inputs(settings: Settings, want: Provenance) -> dict[str, str]:
     features extracted otherwise (another `vllm.dtype`, a quantization flag) is never resumed (issue 52, item 7)."""
     extraction = (*ARTIFACTS["hidden_states"].reads(settings), "shard_size")
     return {**want.inputs, **{k: json.dumps(v) for k, v in want.settings.items() if k in extraction}}
+
+
+def sweep_killed_writes(out: ArtifactStore) -> list[str]:
+    """By the owner of a family's directory `out` (its trainer): what a killed writer of the export or the training
+    curves left, finished (a replacement after its intent) or removed; never the release's, beside them in `drafter/`
+    (the promotion's own). Returns what was swept, by kind."""
+    parent = EXPORT_DIR.rsplit("/", 1)[0]
+    counts = {
+        "export": out.remove_temporaries(parent, "export"),
+        "tensorboard": out.remove_temporaries(parent, "tensorboard") + out.remove_temporaries(TENSORBOARD_DIR),
+    }
+    return [f"{n} {kind}" for kind, n in counts.items() if n]
 
 
 def export_choice(

@@ -63,7 +63,7 @@ from eagle3_assets.drafter.fingerprint import (
 )
 from eagle3_assets.drafter.metrics import StepCounts, heldout_line
 from eagle3_assets.drafter.model import DrafterConfig
-from eagle3_assets.drafter.release import RELEASE_DIR
+from eagle3_assets.drafter.release import RELEASE_DIR, export_digest
 from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
 from eagle3_assets.drafter.selection import (
     Evaluation,
@@ -442,6 +442,14 @@ def _prepare(
     weights = load_target_weights(target)
     model = family.build(target, weights, vmap, fmt.aux_layer_ids, settings.seed, intermediate_size).to(device)
     if continuation is not None:
+        # The plan (which shards are old, which new) is of the weights it read; others published since (a release
+        # promoted, its own export replaced) are another start.
+        if (now := export_digest(store, continuation.base)) != continuation.release_sha256:
+            raise TrainingError(
+                f"{_base(continuation)} at {store.url_of(continuation.base)} changed since this run planned to "
+                f"continue it (sha256 {continuation.release_sha256 or 'not recorded'} then, {now} now): not "
+                "warm-started; a retry plans again"
+            )
         family.warm_start(model, store, continuation.base)  # the optimizer stays fresh
     head = TargetHead.from_weights(weights).to(device)
     total = settings.steps or loader.total_steps(settings.epochs)

@@ -37,7 +37,9 @@ from eagle3_assets.prompts import (
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.responses import PARTS_DIR, RESPONSES_FILE, Renderer, generate_responses, made_by, read_responses
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.provenance import RETRY, bytes_digest, digest, read_record, sampled_version, unknown_target_files
+from eagle3_assets.provenance import (
+    RETRY, bytes_digest, digest, mark_replacing, read_record, sampled_version, unknown_target_files,
+)
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, LoggedReplies, read_replies
@@ -112,6 +114,7 @@ def prompts(context: AssetExecutionContext, project: ResourceParam[Project]) -> 
         )
     with failures():
         written = dump_prompts(rows)
+        mark_replacing(store, "prompts", store.url_of(PROMPTS_FILE))
         nbytes = store.write_text(PROMPTS_FILE, written)
         eval_written = dump_prompts(eval_rows) if eval_rows else ""
         if eval_rows:

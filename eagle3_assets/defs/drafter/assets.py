@@ -34,6 +34,7 @@ from eagle3_assets.drafter.evaluate import evaluate_drafter
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.imported_release import install_start_from
 from eagle3_assets.drafter.release import (
+    EVALUATED_SHA256,
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
     choose,
@@ -140,7 +141,9 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
             raise Failure(
                 "speculative decoding changed the greedy output (it must not): " + json.dumps(report.mismatches[:3])
             )
-        version = materialized(project, want)
+        # The digest ties the record to this report: a promotion on it keeps which inputs it was made from
+        # (`release.promote`), so the release it made never makes this eval due.
+        version = materialized(project, want, extra={EVALUATED_SHA256: report.export_sha256})
         export = project.store.child(family.root).url_of(EXPORT_DIR)
         return MaterializeResult(
             data_version=version["data_version"],
@@ -176,14 +179,19 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
         store = project.store
         with failures():
             want = Staleness(project).expected("drafter_release")
-        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id):
+        with failures(), Lease(store, PROMOTION_LEASE_DIR, context.run.run_id) as lease:
+            # Every write of the release, its settling included, checks the lease first: a promoter paused past it
+            # publishes nothing over the release the one that took over made.
+            store = store.guarded(lease.check, lease.me.describe())
+            store.remove_temporaries(RELEASE_DIR.rsplit("/", 1)[0], "release")  # a killed promotion's copies
             target = target_version(store)
             sources = {f: store.child(family_spec(f).root) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
             evaluation = project.settings.evaluation
             decisions = {
                 f: decide(store, reports[f], target, evaluation.release_min_acceptance, sources[f],
-                          evaluation.min_prompts_per_bin, evaluation.replace_release_for_target)
+                          evaluation.min_prompts_per_bin, family=f,
+                          approved_target=evaluation.replace_release_for_target)
                 for f in families
             }  # fmt: skip
             chosen, reasons = choose(decisions)
@@ -202,7 +210,9 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
         version = materialized(project, want)
         return MaterializeResult(
             data_version=version["data_version"],
-            metadata=to_metadata({"promoted": chosen is not None, "family": chosen or "", "reason": reason, **figures})
+            # Promoted: the release changed; the check passes also when the release, the best, stays.
+            metadata=to_metadata({"promoted": chosen is not None and not decisions[chosen].released_now,
+                                  "family": chosen or "", "reason": reason, **figures})
             | {"release": store.url_of(RELEASE_DIR)}
             | version["metadata"],
             check_results=[
