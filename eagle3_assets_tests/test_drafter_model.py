@@ -298,6 +298,10 @@ def test_an_mla_targets_drafter_has_mla_and_per_layer_feature_norms_under_vllms_
         "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight",
         "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight",
     }  # fmt: skip
+    # Queries without a latent in the target (DeepSeek-V2-Lite's form, the demo's miniature): the drafter's go through
+    # one of the hidden size, the only query weight vLLM's EAGLE-3 DeepSeek drafter loads (fused with kv_a_proj).
+    lite = TargetModel.from_config({**target.config, "q_lora_rank": None}, path="mla-target")
+    assert DrafterConfig.from_target(lite, draft_vocab_size=50).q_lora_rank == 64
     assert shapes["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == (40 + 16, 128)  # latent + shared rope key
     logits = model(torch.randint(0, 100, (2, 9)), torch.randn(2, 9, 3 * 64), num_steps=3)
     assert [tuple(l.shape) for l in logits] == [(2, 9, 50)] * 3

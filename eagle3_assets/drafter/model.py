@@ -127,8 +127,13 @@ class DrafterConfig(DrafterShape):
 
     @classmethod
     def from_target(cls, target: TargetModel, **kwargs: Any) -> Self:
-        """As `DrafterShape.from_target`; beside an MLA target the attention is MLA of the target's shape."""
-        return super().from_target(target, **(mla_fields(target.config) | kwargs))
+        """As `DrafterShape.from_target`; beside an MLA target the attention is MLA of the target's shape, its
+        queries through a latent even where the target's have none (DeepSeek-V2-Lite's form): vLLM's EAGLE-3 DeepSeek
+        drafter loads `q_a_proj` fused with `kv_a_proj_with_mqa` and has no other query weight."""
+        mla = mla_fields(target.config)
+        if mla and not mla["q_lora_rank"]:
+            mla["q_lora_rank"] = target.hidden_size
+        return super().from_target(target, **(mla | kwargs))
 
     @property
     def mla(self) -> bool:
