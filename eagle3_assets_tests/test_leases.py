@@ -286,7 +286,9 @@ def test_a_start_command_that_lost_its_lease_launches_nothing_more(tmp_path):
     from .helpers import gpu_instance
 
     store = ArtifactStore(tmp_path / "root")
-    mine = Lease(store, START_LEASE_DIR, "this command", **FAST).acquire()
+    # A long expiry of its own: under load, building the definitions outlasts FAST's 2 s, and the command would then
+    # stop on its own stale renewal before it ever read the lease (also lost, but not what this test shows).
+    mine = Lease(store, START_LEASE_DIR, "this command", **(FAST | {"expiry_s": 600.0})).acquire()
     mine.release()  # stands for a heartbeat that stopped while the command was frozen
     taker = Lease(store, START_LEASE_DIR, "the command that took over", **FAST).acquire()
     try:
