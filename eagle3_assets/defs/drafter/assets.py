@@ -113,18 +113,21 @@ def drafter_asset(
     return drafter
 
 
-def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
-    """A family's export served with the target in vLLM on held-out prompts (`drafter_eval`, `drafter_eval_<family>`)."""
+def drafter_eval_asset(family: FamilySpec = EAGLE3, *after: AssetKey) -> AssetsDefinition:
+    """A family's export served with the target in vLLM on held-out prompts (`drafter_eval`, `drafter_eval_<family>`),
+    after the inputs `after` too (`traffic_prompts`, with `traffic` set: its held-out split is served too). Declared
+    here, as `responses_asset` declares its own (`defs/data/assets.py`)."""
     name = family.eval_asset
 
     @asset(
         key=eval_key(family),
         group_name=GROUP,
-        deps=[drafter_key(family)],
+        deps=[drafter_key(family), *after],
         pool=GPU_POOL,
         kinds={"vllm"},
         description=f"The {family.name} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
-        "speculative tokens, and the features' share of it. With `start_from`, a store with no release first gets the "
+        "speculative tokens, and the features' share of it; with `traffic`, on the traffic's held-out split and the "
+        "original held-out prompts each (`prompt_sets`). With `start_from`, a store with no release first gets the "
         "published drafter as its release, served beside the export as the bar the gate holds.",
     )
     def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
@@ -167,7 +170,9 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
                 blocking=True,
                 description="a new export serves at least as well as the released drafter (same prompts, k and "
                 "engine; overall and in each context bin of evaluation.min_prompts_per_bin prompts or more), greedy, "
-                "and above evaluation.release_min_acceptance, and best of the families; else it is not released",
+                "and above evaluation.release_min_acceptance, and best of the families; else it is not released. With "
+                "`traffic`: it beats the released drafter on the traffic's held-out prompts and serves within "
+                "evaluation.original_regression_margin of it on the original held-out prompts",
             )
         ],
     )
@@ -188,10 +193,12 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             sources = {f: store.child(family_spec(f).root) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
             evaluation = project.settings.evaluation
+            # With `traffic` set, judged on both prompt sets (`release.traffic_decision`).
+            margin = evaluation.original_regression_margin if project.settings.traffic is not None else None
             decisions = {
                 f: decide(store, reports[f], target, evaluation.release_min_acceptance, sources[f],
                           evaluation.min_prompts_per_bin, family=f,
-                          approved_target=evaluation.replace_release_for_target)
+                          approved_target=evaluation.replace_release_for_target, original_margin=margin)
                 for f in families
             }  # fmt: skip
             chosen, reasons = choose(decisions)
@@ -200,6 +207,10 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
         shown = decisions[chosen] if chosen is not None else decisions[families[0]]
         figures = {f"new_{k}": v for k, v in shown.candidate.items()} | {
             f"released_{k}": v for k, v in (shown.released or {}).items()
+        }
+        # With `traffic`, new_/released_ are the figures on the traffic's held-out prompts; these on the original ones.
+        figures |= {f"new_original_{k}": v for k, v in (shown.candidate_original or {}).items()} | {
+            f"released_original_{k}": v for k, v in (shown.released_original or {}).items()
         }
         for f in families:  # each family's served figures, beside the released one's
             figures |= {f"{f}_{k}": v for k, v in decisions[f].candidate.items()}
