@@ -16,7 +16,9 @@ reported per mode (`acceptance_by_mode`): a drafter serving a hybrid target is s
 on each mode it will serve. Likewise per context-length bin (`context_bins`: the prompt's length in
 tokens, bins by `evaluation.context_bins`): a drafter trained at short lengths may collapse at long ones,
 which a mean over mostly short prompts hides. Each (mode, bin) pair is decoded as one group; a bin with
-fewer than `evaluation.min_prompts_per_bin` prompts is reported as too small.
+fewer than `evaluation.min_prompts_per_bin` prompts is reported as too small. With `traffic` set, the traffic's
+held-out split is served in the same passes after these prompts, each group labelled with its set, and every drafter is
+reported on each set too (`prompt_sets`, `prompt_sets.py`); token classes are scored on the original prompts alone.
 
 Other drafters are served beside ours on the same prompts, at the same k, in the same
 engine, and reported under `beside`: the released one (`drafter/release/`, which

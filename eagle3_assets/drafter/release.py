@@ -12,6 +12,12 @@ same engine: `evaluate.py`); its report decides. The new export is promoted (cop
     not judged, and a release made before bins existed is compared on the whole set alone, as before.
 Otherwise the released drafter stays and the decision's reason names both figures (and the bin).
 
+With `traffic` set, `drafter_eval` serves the traffic's held-out split beside the original held-out prompts
+(`prompt_sets.py`), and the gate judges where it matters (`traffic_decision`): the new export must beat the released
+drafter on the traffic's prompts (at least its figure at every k, above it at one, and at least its figure in each
+context bin judged there) and serve at least `1 - evaluation.original_regression_margin` of its figure on the original
+prompts at every k; the reason names both drafters' figures on both sets.
+
 A report is a basis for promotion only against the release it was served beside (`beside["released"]` names the
 digest of the weights it served, `release_digest`): served beside another release, or before anything was released,
 its family is not promoted and its eval is named to rematerialize (a change of release makes every family's eval due,
