@@ -97,6 +97,8 @@ def test_the_report_keeps_each_prompt_set_for_ours_and_the_released_drafter_and_
     assert (meta["mean_acceptance_length_k3"], meta["mean_acceptance_length_by_context_bin"]) == (
         2.1667, {BIN: {"k3": 2.1667, "k7": 2.1667}}
     )  # fmt: skip
+    # The calibration history's points are served against the eval prompts' bytes: the original set's figures.
+    assert report.served_on_eval_prompts == {"k3": 2.0, "k7": 2.0}
     served = ServedReport.from_json(meta)
     ours, theirs = served.export.sets, served.beside[RELEASED].sets
     assert {s: f.acceptance for s, f in ours.items()} == {ORIGINAL_SET: {"k3": 2.0, "k7": 2.0}, TRAFFIC_SET: {"k3": 2.5, "k7": 2.5}}
@@ -110,6 +112,7 @@ def test_the_report_keeps_each_prompt_set_for_ours_and_the_released_drafter_and_
     for k in (3, 7):
         for zeroed in (False, True):
             plainly.add_run(k, zeroed, plain, GenerationResult(plain.outputs, 2, 2 * k, 2), log=lambda _: None)
+    assert plainly.served_on_eval_prompts == plainly.acceptance == {"k3": 2.0, "k7": 2.0}
     assert PROMPT_SETS not in plainly.as_metadata() and ServedReport.from_json(plainly.as_metadata()).export.sets == {}
 
 

@@ -57,7 +57,13 @@ from eagle3_assets.drafter.calibration import (
 )
 from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, too_small
 from eagle3_assets.drafter.errors import EvaluationError
-from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPT_SETS, PROMPTS_BY_BIN
+from eagle3_assets.drafter.eval_report import (
+    ACCEPTANCE_BY_BIN,
+    EVAL_REPORT_FILE,
+    ORIGINAL_SET,
+    PROMPT_SETS,
+    PROMPTS_BY_BIN,
+)
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR, load_export
 from eagle3_assets.drafter.prompt_sets import (
     PromptSet,
@@ -189,6 +195,16 @@ class EvalReport:
                 self.mismatches.append(parted)
 
     @property
+    def served_on_eval_prompts(self) -> dict[str, float]:
+        """"k3" -> mean acceptance length on the original held-out prompts alone: what the calibration history's points
+        are served against (`calibration.measured_against`: the eval prompts' bytes), with `traffic` set or not."""
+        if ORIGINAL_SET not in self.prompt_sets:
+            return self.acceptance
+        entry = self.prompt_sets[ORIGINAL_SET]
+        return {f"k{k}": entry[f"mean_acceptance_length_k{k}"] for k in SPECULATIVE_TOKENS
+                if f"mean_acceptance_length_k{k}" in entry}  # fmt: skip
+
+    @property
     def too_small_bins(self) -> list[str]:
         """The context bins with fewer than `min_prompts_per_bin` prompts (empty ones too): reported, not judged."""
         return too_small(self.bins, self.min_prompts_per_bin)
@@ -229,7 +245,8 @@ class EvalReport:
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
         for k, est in self.estimate.items():
             meta[f"estimate_{k}"] = round(est, 4)
-            meta[f"estimate_over_served_{k}"] = round(est / self.acceptance[k], 4) if self.acceptance.get(k) else 0.0
+            served = self.served_on_eval_prompts.get(k)
+            meta[f"estimate_over_served_{k}"] = round(est / served, 4) if served else 0.0
             meta[f"calibration_evals_{k}"] = self.calibration_points.get(k, 0)
             if k in self.calibrated_estimate:
                 meta[f"calibrated_estimate_{k}"] = round(self.calibrated_estimate[k], 4)
@@ -355,7 +372,7 @@ def calibrate(
     history, against = load_history(store), measured_against(store, report.engine)
     points = []
     for k in SPECULATIVE_TOKENS:
-        est, served = exported_estimate(metrics, k), report.acceptance.get(f"k{k}")
+        est, served = exported_estimate(metrics, k), report.served_on_eval_prompts.get(f"k{k}")
         if est is None or served is None:
             continue
         report.estimate[f"k{k}"] = est
