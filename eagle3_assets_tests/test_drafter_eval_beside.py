@@ -103,17 +103,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
         by_bin = [ref["mean_acceptance_length_by_context_bin"][b][f"k{k}"] for b in (short, long)]
         assert min(by_bin) - 1e-3 <= ref[f"mean_acceptance_length_k{k}"] <= max(by_bin) + 1e-3, (k, by_bin, ref)
     assert f"context bins with fewer than evaluation.min_prompts_per_bin {counts[long] + 1} prompts" in "\n".join(lines)
-    # Each prompt set in the same passes: ours at 1.0 on both, the reference's whole-set figure between its sets'.
-    assert any(line.startswith("drafter_eval: 6 held-out prompts (4 original, 2 traffic) decoded") for line in lines)
-    sets = written[PROMPT_SETS]
-    assert {s: (e["prompts"], e["prompts_file"]) for s, e in sets.items()} == {
-        ORIGINAL_SET: (4, "embedded demo eval prompts"), TRAFFIC_SET: (2, store.url_of(TRAFFIC_HELDOUT_FILE))
-    }  # fmt: skip
-    assert {b: sum(e["prompts_by_context_bin"][b] for e in sets.values()) for b in counts} == counts
-    assert [sets[s][f"mean_acceptance_length_k{k}"] for s in sets for k in (3, 7)] == [1.0] * 4
-    for k in (3, 7):
-        by_set = [ref[PROMPT_SETS][s][f"mean_acceptance_length_k{k}"] for s in (ORIGINAL_SET, TRAFFIC_SET)]
-        assert min(by_set) - 1e-3 <= ref[f"mean_acceptance_length_k{k}"] <= max(by_set) + 1e-3, (k, by_set, ref)
+    assert_prompt_sets(written, counts, lines, store.url_of(TRAFFIC_HELDOUT_FILE))
 
     # Nothing released yet, and still the zeroed head is not released: it serves at 1.0.
     served = ServedReport.read(store)
@@ -124,3 +114,17 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     assert not on_sets.promote and on_sets.reason.startswith(
         "the new export serves at mean acceptance length 1.000 at k=3 on the traffic's held-out prompts, below"
     )
+
+
+def assert_prompt_sets(written: dict, counts: dict[str, int], lines: list[str], traffic_file: str) -> None:
+    """Each prompt set in the same passes: ours at 1.0 on both, the reference's whole-set figure between its sets'."""
+    assert any(line.startswith("drafter_eval: 6 held-out prompts (4 original, 2 traffic) decoded") for line in lines)
+    sets, ref = written[PROMPT_SETS], written["beside"][REFERENCE]
+    assert {s: (e["prompts"], e["prompts_file"]) for s, e in sets.items()} == {
+        ORIGINAL_SET: (4, "embedded demo eval prompts"), TRAFFIC_SET: (2, traffic_file)
+    }  # fmt: skip
+    assert {b: sum(e["prompts_by_context_bin"][b] for e in sets.values()) for b in counts} == counts
+    assert [sets[s][f"mean_acceptance_length_k{k}"] for s in sets for k in (3, 7)] == [1.0] * 4
+    for k in (3, 7):
+        by_set = [ref[PROMPT_SETS][s][f"mean_acceptance_length_k{k}"] for s in (ORIGINAL_SET, TRAFFIC_SET)]
+        assert min(by_set) - 1e-3 <= ref[f"mean_acceptance_length_k{k}"] <= max(by_set) + 1e-3, (k, by_set, ref)

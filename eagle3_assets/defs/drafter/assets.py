@@ -35,6 +35,7 @@ from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.imported_release import install_start_from
 from eagle3_assets.drafter.release import (
     EVALUATED_SHA256,
+    Decision,
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
     choose,
@@ -156,6 +157,22 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3, *after: AssetKey) -> AssetsD
     return drafter_eval
 
 
+def release_figures(decisions: dict[str, Decision], chosen: str | None) -> dict[str, float]:
+    """The figures `drafter_release` shows: the chosen family's (or the first's) beside the released drafter's, and each
+    family's. With `traffic`, new_/released_ are those on the traffic's held-out prompts, new_original_/
+    released_original_ those on the original ones."""
+    shown = decisions[chosen] if chosen is not None else next(iter(decisions.values()))
+    figures = {f"new_{k}": v for k, v in shown.candidate.items()} | {
+        f"released_{k}": v for k, v in (shown.released or {}).items()
+    }
+    figures |= {f"new_original_{k}": v for k, v in (shown.candidate_original or {}).items()} | {
+        f"released_original_{k}": v for k, v in (shown.released_original or {}).items()
+    }
+    for f, d in decisions.items():  # each family's served figures, beside the released one's
+        figures |= {f"{f}_{k}": v for k, v in d.candidate.items()}
+    return figures
+
+
 def drafter_release_asset(families: list[str]) -> AssetsDefinition:
     """`drafter_release`, after the eval of every family the settings train."""
 
@@ -204,16 +221,7 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             chosen, reasons = choose(decisions)
             if chosen is not None:
                 promote(store, decisions[chosen], reports[chosen], target, sources[chosen], chosen)
-        shown = decisions[chosen] if chosen is not None else decisions[families[0]]
-        figures = {f"new_{k}": v for k, v in shown.candidate.items()} | {
-            f"released_{k}": v for k, v in (shown.released or {}).items()
-        }
-        # With `traffic`, new_/released_ are the figures on the traffic's held-out prompts; these on the original ones.
-        figures |= {f"new_original_{k}": v for k, v in (shown.candidate_original or {}).items()} | {
-            f"released_original_{k}": v for k, v in (shown.released_original or {}).items()
-        }
-        for f in families:  # each family's served figures, beside the released one's
-            figures |= {f"{f}_{k}": v for k, v in decisions[f].candidate.items()}
+        figures = release_figures(decisions, chosen)
         reason = (decisions[chosen].reason if chosen is not None else "") + "".join(
             f"; {why}" for why in reasons.values()
         )
