@@ -148,6 +148,22 @@ def _drafter_reads(family: FamilySpec) -> Callable[[Settings], tuple[str, ...]]:
     return reads
 
 
+def _eval_parents(family: FamilySpec) -> Callable[[Settings], tuple[str, ...]]:
+    # With `traffic` set, the eval serves the traffic's held-out split too (`drafter/prompt_sets.py`), which
+    # `traffic_prompts` writes.
+    return lambda s: (family.drafter_asset, "prompts", "target_model") + (
+        ("traffic_prompts",) if s.traffic is not None else ()
+    )
+
+
+def _release_reads(s: Settings) -> tuple[str, ...]:
+    # The margin judges only with `traffic` set (`release.traffic_decision`): without it, nothing is recorded.
+    return ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters",
+            "evaluation.replace_release_for_target") + (
+        ("evaluation.original_regression_margin",) if s.traffic is not None else ()
+    )  # fmt: skip
+
+
 def _eval(_: Settings) -> tuple[str, ...]:
     return ("evaluation.max_new_tokens", "evaluation.reference_drafter", "generation.max_new_tokens",
             "generation.chat_template_kwargs", "evaluation.context_bins", "evaluation.min_prompts_per_bin")  # fmt: skip
@@ -177,7 +193,7 @@ def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
     evaluation = Artifact(
         family.eval_asset,
         _eval,
-        parents=(family.drafter_asset, "prompts", "target_model"),
+        parents=_eval_parents(family),
         # A published drafter it installs as the release of a store with none, once (`imported_release.py`): what is
         # released is in no eval's provenance, and a later `start_from` never replaces a release.
         runs_with=(*SERVING, "start_from"),
@@ -230,8 +246,7 @@ ARTIFACTS: dict[str, Artifact] = {
         *(a for spec in FAMILIES.values() for a in family_artifacts(spec)),
         Artifact(
             "drafter_release",
-            lambda s: ("evaluation.release_min_acceptance", "evaluation.min_prompts_per_bin", "drafters",
-                       "evaluation.replace_release_for_target"),
+            _release_reads,
             parents=lambda s: tuple(family_spec(f).eval_asset for f in s.drafters),
         ),
     )

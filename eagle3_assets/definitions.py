@@ -57,7 +57,10 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
             drafter.drafter_asset(settings.training, family, settings.drafters).with_attributes(
                 automation_condition=drafter_condition(project, door)
             ),
-            drafter.drafter_eval_asset(family).with_attributes(automation_condition=drafter_eval_condition(project, door)),
+            # With `traffic` set, each eval serves the traffic's held-out split too: after `traffic_prompts`.
+            drafter.drafter_eval_asset(family, *(a.key for a in traffic)).with_attributes(
+                automation_condition=drafter_eval_condition(project, door)
+            ),
         )
     ] + [
         drafter.drafter_release_asset(settings.drafters).with_attributes(

@@ -1,6 +1,8 @@
 """`drafter_eval` in vLLM (CPU build) with a reference drafter served beside ours, and the release gate on what it
 served: one evaluation, seven engine starts (plain; ours at k=3 and k=7, features kept and zeroed; the reference at
-k=3 and k=7). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7)."""
+k=3 and k=7). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7). With
+`traffic` set, the traffic's held-out prompts are served in the same passes, and each drafter is reported on each prompt
+set (issue 53, item 3); the report without it is held by the unit tests of its form (test_context_bins.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ServedReport
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ORIGINAL_SET, PROMPT_SETS, TRAFFIC_SET, ServedReport
 from eagle3_assets.drafter.evaluate import REFERENCE, eval_prompt_ids, evaluate_drafter
 from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.family import build_drafter
@@ -17,12 +19,15 @@ from eagle3_assets.drafter.release import (
     export_digest,
     release_decision,
     released_figures,
+    traffic_decision,
 )
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, dump_prompts
 from eagle3_assets.settings import EvaluationSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
+from eagle3_assets.traffic import TRAFFIC_HELDOUT_FILE
+from eagle3_assets.traffic_settings import TrafficSettings
 from eagle3_assets.vocab_map import VocabMap
 
 from .conftest import tiny_settings
@@ -42,8 +47,10 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     store = ArtifactStore(tmp_path / "store")
     prompts = [Prompt(f"eval-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS[:4])]
     store.write_text(EVAL_PROMPTS_FILE, dump_prompts(prompts))
+    traffic = [Prompt(f"traffic-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS[4:6])]
+    store.write_text(TRAFFIC_HELDOUT_FILE, dump_prompts(traffic))
     # Context bins split at the longest prompt's length: the longest ones in a bin of their own, too small at 2.
-    lengths = [len(ids) for ids in eval_prompt_ids(load_tokenizer(target), prompts, {})[0]]
+    lengths = [len(ids) for ids in eval_prompt_ids(load_tokenizer(target), prompts + traffic, {})[0]]
     edge = max(lengths)
     short, long = f"0-{edge}", f"{edge}+"
     counts = {short: sum(n < edge for n in lengths), long: sum(n >= edge for n in lengths)}
@@ -67,6 +74,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
             context_bins=[0, edge],
             min_prompts_per_bin=max(2, counts[long] + 1),
         ),
+        traffic=TrafficSettings(log=str(tmp_path / "gateway.jsonl")),  # its held-out split, written above, is served
     )
     lines: list[str] = []
     report = evaluate_drafter(store, target, settings, log=lines.append)
@@ -95,9 +103,28 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
         by_bin = [ref["mean_acceptance_length_by_context_bin"][b][f"k{k}"] for b in (short, long)]
         assert min(by_bin) - 1e-3 <= ref[f"mean_acceptance_length_k{k}"] <= max(by_bin) + 1e-3, (k, by_bin, ref)
     assert f"context bins with fewer than evaluation.min_prompts_per_bin {counts[long] + 1} prompts" in "\n".join(lines)
+    assert_prompt_sets(written, counts, lines, store.url_of(TRAFFIC_HELDOUT_FILE))
 
     # Nothing released yet, and still the zeroed head is not released: it serves at 1.0.
     served = ServedReport.read(store)
     decision = release_decision(served, released_figures(store, served), settings.evaluation.release_min_acceptance)
     assert not decision.promote and decision.released is None
     assert decision.reason.startswith("the new export serves at mean acceptance length 1.000 at k=3, below")
+    on_sets = traffic_decision(served, None, settings.evaluation.release_min_acceptance, 0.02)
+    assert not on_sets.promote and on_sets.reason.startswith(
+        "the new export serves at mean acceptance length 1.000 at k=3 on the traffic's held-out prompts, below"
+    )
+
+
+def assert_prompt_sets(written: dict, counts: dict[str, int], lines: list[str], traffic_file: str) -> None:
+    """Each prompt set in the same passes: ours at 1.0 on both, the reference's whole-set figure between its sets'."""
+    assert any(line.startswith("drafter_eval: 6 held-out prompts (4 original, 2 traffic) decoded") for line in lines)
+    sets, ref = written[PROMPT_SETS], written["beside"][REFERENCE]
+    assert {s: (e["prompts"], e["prompts_file"]) for s, e in sets.items()} == {
+        ORIGINAL_SET: (4, "embedded demo eval prompts"), TRAFFIC_SET: (2, traffic_file)
+    }  # fmt: skip
+    assert {b: sum(e["prompts_by_context_bin"][b] for e in sets.values()) for b in counts} == counts
+    assert [sets[s][f"mean_acceptance_length_k{k}"] for s in sets for k in (3, 7)] == [1.0] * 4
+    for k in (3, 7):
+        by_set = [ref[PROMPT_SETS][s][f"mean_acceptance_length_k{k}"] for s in (ORIGINAL_SET, TRAFFIC_SET)]
+        assert min(by_set) - 1e-3 <= ref[f"mean_acceptance_length_k{k}"] <= max(by_set) + 1e-3, (k, by_set, ref)

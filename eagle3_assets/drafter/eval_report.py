@@ -15,6 +15,11 @@ ACCEPTANCE_PREFIX = "mean_acceptance_length_k"
 ABOUT = ("prompts", "max_tokens", "prompts_file", "engine")  # how it was served, kept with a release
 PROMPTS_BY_BIN = "prompts_by_context_bin"  # context bin ("0-1024", `context_bins`) -> held-out prompts in it
 ACCEPTANCE_BY_BIN = "mean_acceptance_length_by_context_bin"  # context bin -> "k3" -> mean acceptance length
+# With `traffic` set, each drafter's figures on each prompt set it was served on: set -> its prompts, its file and its
+# figures in the report's form (mean acceptance length by k, prompts and acceptance by context bin). Absent without.
+PROMPT_SETS = "prompt_sets"
+TRAFFIC_SET = "traffic"  # the traffic's held-out split (`traffic.TRAFFIC_HELDOUT_FILE`)
+ORIGINAL_SET = "original"  # the original held-out prompts (`prompts.EVAL_PROMPTS_FILE`)
 
 
 class EvalReportError(Refusal):
@@ -59,13 +64,15 @@ class Served:
     outputs_match_greedy: bool
     bins: ContextBins = field(default_factory=ContextBins)
     sha256: str = ""  # of a drafter served beside: the digest of the weights served ("": a report made before)
+    sets: dict[str, Served] = field(default_factory=dict)  # `PROMPT_SETS`: the same per prompt set; empty without
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Served:
-        return cls(
-            acceptance_of(body), bool(body.get("outputs_match_greedy", False)), ContextBins.from_json(body),
-            str(body.get("export_sha256", "")),
-        )  # fmt: skip
+        greedy, sha256 = bool(body.get("outputs_match_greedy", False)), str(body.get("export_sha256", ""))
+        # A set's outputs are the drafter's outputs on its prompts: whether they stayed greedy is said once for all.
+        sets = {name: cls(acceptance_of(b), greedy, ContextBins.from_json(b), sha256)
+                for name, b in (body.get(PROMPT_SETS) or {}).items()}  # fmt: skip
+        return cls(acceptance_of(body), greedy, ContextBins.from_json(body), sha256, sets)
 
 
 @dataclass(frozen=True)

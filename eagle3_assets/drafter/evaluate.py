@@ -16,7 +16,9 @@ reported per mode (`acceptance_by_mode`): a drafter serving a hybrid target is s
 on each mode it will serve. Likewise per context-length bin (`context_bins`: the prompt's length in
 tokens, bins by `evaluation.context_bins`): a drafter trained at short lengths may collapse at long ones,
 which a mean over mostly short prompts hides. Each (mode, bin) pair is decoded as one group; a bin with
-fewer than `evaluation.min_prompts_per_bin` prompts is reported as too small.
+fewer than `evaluation.min_prompts_per_bin` prompts is reported as too small. With `traffic` set, the traffic's
+held-out split is served in the same passes after these prompts, each group labelled with its set, and every drafter is
+reported on each set too (`prompt_sets`, `prompt_sets.py`); token classes are scored on the original prompts alone.
 
 Other drafters are served beside ours on the same prompts, at the same k, in the same
 engine, and reported under `beside`: the released one (`drafter/release/`, which
@@ -53,10 +55,25 @@ from eagle3_assets.drafter.calibration import (
     measured_against,
     record,
 )
-from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, split_group, too_small
+from eagle3_assets.drafter.context_bins import context_bin, group_label, prompts_per_bin, too_small
 from eagle3_assets.drafter.errors import EvaluationError
-from eagle3_assets.drafter.eval_report import ACCEPTANCE_BY_BIN, EVAL_REPORT_FILE, PROMPTS_BY_BIN
+from eagle3_assets.drafter.eval_report import (
+    ACCEPTANCE_BY_BIN,
+    EVAL_REPORT_FILE,
+    ORIGINAL_SET,
+    PROMPT_SETS,
+    PROMPTS_BY_BIN,
+)
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR, load_export
+from eagle3_assets.drafter.prompt_sets import (
+    PromptSet,
+    add_set_figures,
+    blank_like,
+    merged_by,
+    served_sets,
+    set_entries,
+    set_group,
+)
 from eagle3_assets.drafter.release import (
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
@@ -90,18 +107,6 @@ class ReferenceDrafterMissing(Refusal):
     """`evaluation.reference_drafter` is not an export directory."""
 
 
-def merged_by(
-    by_group: Mapping[str, GenerationResult], part: int, order: Sequence[str] = ()
-) -> dict[str, GenerationResult]:
-    """The groups' results (`group_label`s) added up by mode (`part` 0) or by context bin (1): the counters add.
-    Keys in `order` first, in that order (bins in edge order), then the others as they came."""
-    parts: dict[str, list[GenerationResult]] = {}
-    for label, result in by_group.items():
-        parts.setdefault(split_group(label)[part], []).append(result)
-    keys = [k for k in order if k in parts] + [k for k in parts if k not in order]
-    return {key: GenerationResult.merged(parts[key]) for key in keys}
-
-
 @dataclass
 class EvalReport:
     prompts: int
@@ -131,6 +136,8 @@ class EvalReport:
     mismatches: list[dict] = field(default_factory=list)
     near_ties: list[dict] = field(default_factory=list)  # outputs that part where greedy's choice was a near tie
     beside: dict[str, dict[str, Any]] = field(default_factory=dict)  # other drafters served: name -> their figures
+    # With `traffic` set: ours on each prompt set (`prompt_sets.py`), in the report's form; empty without.
+    prompt_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add_beside(
         self, name: str, directory: str, k: int, plain: GenerationResult, spec: GenerationResult, sha256: str = ""
@@ -140,13 +147,14 @@ class EvalReport:
         figures = self.beside.setdefault(name, {
             "dir": directory, "export_sha256": sha256, "outputs_match_greedy": True, PROMPTS_BY_BIN: self.bins,
             ACCEPTANCE_BY_BIN: {},
-        })  # fmt: skip
+        } | ({PROMPT_SETS: blank_like(self.prompt_sets)} if self.prompt_sets else {}))  # fmt: skip
         figures[f"mean_acceptance_length_k{k}"] = round(spec.mean_acceptance_length, 4)
         figures[f"acceptance_per_position_k{k}"] = [round(x, 4) for x in spec.acceptance_per_position]
         figures["outputs_match_greedy"] &= spec.outputs == plain.outputs
         # Per bin as ours, so the release gate compares like with like.
         for b, part in merged_by(spec.by_group, 1, list(self.bins)).items():
             figures[ACCEPTANCE_BY_BIN].setdefault(b, {})[f"k{k}"] = round(part.mean_acceptance_length, 4)
+        add_set_figures(figures.get(PROMPT_SETS, {}), spec.by_group, k)
 
     def add_run(
         self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None]
@@ -168,6 +176,13 @@ class EvalReport:
                     f"drafter_eval: k={k} context bin {b} ({self.bins.get(b, 0)} prompts): mean acceptance length "
                     f"{part.mean_acceptance_length:.3f}"
                 )
+            add_set_figures(self.prompt_sets, spec.by_group, k)
+            for name, entry in self.prompt_sets.items():
+                if f"mean_acceptance_length_k{k}" in entry:
+                    log(
+                        f"drafter_eval: k={k} {name} held-out prompts ({entry['prompts']}): mean acceptance length "
+                        f"{entry[f'mean_acceptance_length_k{k}']:.3f}"
+                    )
         for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
             if a == b:
                 continue
@@ -178,6 +193,16 @@ class EvalReport:
                 self.near_ties.append(parted | {"top_two_gap": round(gap, 4)})
             else:
                 self.mismatches.append(parted)
+
+    @property
+    def served_on_eval_prompts(self) -> dict[str, float]:
+        """"k3" -> mean acceptance length on the original held-out prompts alone: what the calibration history's points
+        are served against (`calibration.measured_against`: the eval prompts' bytes), with `traffic` set or not."""
+        if ORIGINAL_SET not in self.prompt_sets:
+            return self.acceptance
+        entry = self.prompt_sets[ORIGINAL_SET]
+        return {f"k{k}": entry[f"mean_acceptance_length_k{k}"] for k in SPECULATIVE_TOKENS
+                if f"mean_acceptance_length_k{k}" in entry}  # fmt: skip
 
     @property
     def too_small_bins(self) -> list[str]:
@@ -213,12 +238,15 @@ class EvalReport:
         meta[ACCEPTANCE_BY_BIN] = {
             b: {k: round(v, 4) for k, v in acc.items()} for b, acc in self.acceptance_by_bin.items()
         }
+        if self.prompt_sets:  # only with `traffic` set: a report without it is the one it always was
+            meta[PROMPT_SETS] = self.prompt_sets
         meta["min_prompts_per_bin"] = self.min_prompts_per_bin
         meta["context_bins_too_small"] = self.too_small_bins
         meta.update({f"heldout_{k}": v for k, v in self.heldout_training_metrics.items()})
         for k, est in self.estimate.items():
             meta[f"estimate_{k}"] = round(est, 4)
-            meta[f"estimate_over_served_{k}"] = round(est / self.acceptance[k], 4) if self.acceptance.get(k) else 0.0
+            served = self.served_on_eval_prompts.get(k)
+            meta[f"estimate_over_served_{k}"] = round(est / served, 4) if served else 0.0
             meta[f"calibration_evals_{k}"] = self.calibration_points.get(k, 0)
             if k in self.calibrated_estimate:
                 meta[f"calibrated_estimate_{k}"] = round(self.calibrated_estimate[k], 4)
@@ -344,7 +372,7 @@ def calibrate(
     history, against = load_history(store), measured_against(store, report.engine)
     points = []
     for k in SPECULATIVE_TOKENS:
-        est, served = exported_estimate(metrics, k), report.acceptance.get(f"k{k}")
+        est, served = exported_estimate(metrics, k), report.served_on_eval_prompts.get(f"k{k}")
         if est is None or served is None:
             continue
         report.estimate[f"k{k}"] = est
@@ -369,6 +397,47 @@ def calibrate(
             log(f"drafter_eval: this evaluation's points are not kept in {store.url_of(HISTORY_FILE)} ({e})")
 
 
+@dataclass
+class ServedPrompts:
+    """The prompts `drafter_eval` serves, as the engine is given them, and the report they start."""
+
+    prompts: list[Prompt]  # the original held-out prompts first, then the traffic's (`prompt_sets.py`)
+    prompt_ids: list[list[int]]
+    groups: list[str]  # each prompt's `vllm_eval` group: ([set,] mode, context bin)
+    original: int  # how many of `prompts` are the original held-out prompts
+    report: EvalReport
+    plain_outputs: list[list[int]] = field(default_factory=list)  # the plain pass's greedy answers, once served
+
+
+def served_prompts(store: ArtifactStore, target: TargetModel, settings: Settings, max_tokens: int) -> ServedPrompts:
+    """The held-out prompts rendered as `responses` renders a prompt, labelled by (set,) mode and context bin; with
+    `traffic` set, the traffic's held-out split after them, served in the same passes."""
+    original = load_eval_prompts(store)
+    original_file = settings.eval_prompts or "embedded demo eval prompts"
+    sets = served_sets(store, original, original_file, settings.traffic is not None)
+    prompts = [p for s in sets for p in s.prompts] if sets else original
+    prompt_ids, modes = eval_prompt_ids(load_tokenizer(target), prompts, settings.generation.chat_template_kwargs)
+    edges = settings.evaluation.context_bins
+    lengths = [len(ids) for ids in prompt_ids]  # the context the drafter drafts after: the prompt as served
+    groups = [group_label(mode, context_bin(n, edges)) for mode, n in zip(modes, lengths, strict=True)]
+    names = [s.name for s in sets for _ in s.prompts]
+    groups = [set_group(n, g) for n, g in zip(names, groups, strict=True)] if sets else groups
+    report = EvalReport(
+        prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)), prompts_file=original_file,
+        engine=engine_version(), context_bin_edges=list(edges),
+        min_prompts_per_bin=settings.evaluation.min_prompts_per_bin, bins=prompts_per_bin(lengths, edges),
+    )  # fmt: skip
+    report.prompt_sets = set_entries(sets, _bins_by_set(sets, lengths, edges))
+    return ServedPrompts(prompts, prompt_ids, groups, len(original), report)
+
+
+def _bins_by_set(sets: Sequence[PromptSet], lengths: Sequence[int], edges: Sequence[int]) -> dict[str, dict[str, int]]:
+    out, at = {}, 0
+    for s in sets:
+        out[s.name], at = prompts_per_bin(lengths[at : at + len(s.prompts)], edges), at + len(s.prompts)
+    return out
+
+
 def evaluate_drafter(
     store: ArtifactStore,
     target: TargetModel,
@@ -384,20 +453,9 @@ def evaluate_drafter(
     # A replacement a kill interrupted is finished by its owner, never read half done.
     settled(out, EXPORT_DIR, TRAINER_LEASE_DIR)
     settled(store, RELEASE_DIR, PROMOTION_LEASE_DIR)
-    prompts = load_eval_prompts(store)
-    tokenizer = load_tokenizer(target)
-    prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
     max_tokens = max_tokens or settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
-    max_model_len = max(map(len, prompt_ids)) + max_tokens + 8
-    edges = settings.evaluation.context_bins
-    lengths = [len(ids) for ids in prompt_ids]  # the context the drafter drafts after: the prompt as served
-    groups = [group_label(mode, context_bin(n, edges)) for mode, n in zip(modes, lengths, strict=True)]
-    report = EvalReport(
-        prompts=len(prompt_ids), max_tokens=max_tokens, modes=dict(Counter(modes)),
-        prompts_file=settings.eval_prompts or "embedded demo eval prompts", engine=engine_version(),
-        context_bin_edges=list(edges),
-        min_prompts_per_bin=settings.evaluation.min_prompts_per_bin, bins=prompts_per_bin(lengths, edges),
-    )  # fmt: skip
+    served = served_prompts(store, target, settings, max_tokens)
+    report = served.report
     if small := report.too_small_bins:
         log(
             f"drafter_eval: context bins with fewer than evaluation.min_prompts_per_bin "
@@ -405,63 +463,13 @@ def evaluate_drafter(
             + ", ".join(f"{b} ({report.bins[b]})" for b in small)
         )
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
-        export_dir = served_copy(out, EXPORT_DIR, Path(tmp) / "export")
-        report.export_sha256 = weights_sha256(export_dir)
-        drafters = beside_drafters(store, settings.evaluation, Path(tmp), log)
-        served = {name: weights_sha256(d) for name, (d, _) in drafters.items()}
-        beside = [(name, d, method, k) for name, (d, method) in drafters.items() for k in SPECULATIVE_TOKENS]
-
-        variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
-        labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
-        labels += [f"{name} k={k}" for name, _, _, k in beside]
-        timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
-        log(
-            f"drafter_eval: {len(prompt_ids)} held-out prompts decoded greedily in vLLM ({max_tokens} tokens each), "
-            f"plain and with the {family.name} drafter at k={', '.join(map(str, SPECULATIVE_TOKENS))} (features as "
-            f"trained, then zeroed){''.join(f', {name} beside' for name, _, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
-            f"{len(labels)} passes, timeout {timeout_s:.0f}s"
-        )
-        started = time.monotonic()
-
-        plain_rate: list[float] = []
-
-        def on_result(i: int, result: GenerationResult) -> None:
-            rate = result.decode_tokens_per_s
-            if i == 0:
-                plain_rate.append(rate)
-                accepted = f", {rate:.1f} tokens/s"
-            else:
-                speedup = f" ({rate / plain_rate[0]:.2f}x plain)" if plain_rate and plain_rate[0] else ""
-                accepted = f", mean acceptance length {result.mean_acceptance_length:.3f}, {rate:.1f} tokens/s{speedup}"
-            log(f"drafter_eval: pass {i + 1}/{len(labels)} ({labels[i]}) done at {time.monotonic() - started:.0f}s{accepted}")
-
-        plain, *speculative = generate_runs_in_subprocess(
-            target.path,
-            prompt_ids,
-            [{"margins": True}]
-            + [{"draft_dir": export_dir, "method": family.vllm_method, "num_speculative_tokens": k, "zero_fc": zeroed}
-               for k, zeroed in variants]
-            + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
-            # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel
-            # takes no float32, and a drafter is judged beside the target as it is served.
-            common={
-                "max_tokens": max_tokens, "max_model_len": max_model_len, "ignore_eos": False, "groups": groups,
-                "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
-            },  # fmt: skip
-            timeout_s=timeout_s,
-            on_result=on_result,
-            cpu_cores=settings.vllm.cpu_cores,
-        )
-        for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
-            report.add_run(k, zeroed, plain, spec, log)
-        where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
-        for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
-            report.add_beside(name, where.get(name, str(d)), k, plain, spec, served[name])
+        export_dir = serve_passes(store, out, target, settings, served, Path(tmp), max_tokens, log, family)
         # By token class through EAGLE-3's TTT unroll; a block drafter's classes would need its own (not yet).
         if family.token_classes:
             log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
+            n = served.original  # the original held-out prompts: the ones that carry token classes
             report.token_accuracy, report.off_reference = token_class_accuracy(
-                target, settings, export_dir, prompts, prompt_ids, plain.outputs
+                target, settings, export_dir, served.prompts[:n], served.prompt_ids[:n], served.plain_outputs[:n]
             )
         for c, acc in report.token_accuracy.items():
             if acc.predictions[0]:
@@ -474,3 +482,70 @@ def evaluate_drafter(
          "near_ties": report.near_ties},
     )
     return report
+
+
+def serve_passes(
+    store: ArtifactStore, out: ArtifactStore, target: TargetModel, settings: Settings, served: ServedPrompts, tmp: Path,
+    max_tokens: int, log: Callable[[str], None], family: FamilySpec,
+) -> Path:  # fmt: skip
+    """Every pass in one interpreter: plain, ours at each k with features kept and zeroed, each drafter beside at each
+    k; their figures go to `served.report`, the plain outputs to `served.plain_outputs`. Returns the export served."""
+    report, prompt_ids = served.report, served.prompt_ids
+    export_dir = served_copy(out, EXPORT_DIR, tmp / "export")
+    report.export_sha256 = weights_sha256(export_dir)
+    drafters = beside_drafters(store, settings.evaluation, tmp, log)
+    digests = {name: weights_sha256(d) for name, (d, _) in drafters.items()}
+    beside = [(name, d, method, k) for name, (d, method) in drafters.items() for k in SPECULATIVE_TOKENS]
+    variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
+    labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
+    labels += [f"{name} k={k}" for name, _, _, k in beside]
+    timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
+    of_sets = "".join(f", {e['prompts']} {name}" for name, e in report.prompt_sets.items())
+    log(
+        f"drafter_eval: {len(prompt_ids)} held-out prompts{f' ({of_sets[2:]})' if of_sets else ''} decoded greedily in "
+        f"vLLM ({max_tokens} tokens each), plain and with the {family.name} drafter at "
+        f"k={', '.join(map(str, SPECULATIVE_TOKENS))} (features as trained, then zeroed)"
+        f"{''.join(f', {name} beside' for name, _, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
+        f"{len(labels)} passes, timeout {timeout_s:.0f}s"
+    )
+    plain, *speculative = generate_runs_in_subprocess(
+        target.path,
+        prompt_ids,
+        [{"margins": True}]
+        + [{"draft_dir": export_dir, "method": family.vllm_method, "num_speculative_tokens": k, "zero_fc": zeroed}
+           for k, zeroed in variants]
+        + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
+        # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel
+        # takes no float32, and a drafter is judged beside the target as it is served.
+        common={
+            "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
+            "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
+        },  # fmt: skip
+        timeout_s=timeout_s,
+        on_result=_pass_logger(labels, log),
+        cpu_cores=settings.vllm.cpu_cores,
+    )
+    served.plain_outputs = plain.outputs
+    for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
+        report.add_run(k, zeroed, plain, spec, log)
+    where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
+    for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
+        report.add_beside(name, where.get(name, str(d)), k, plain, spec, digests[name])
+    return export_dir
+
+
+def _pass_logger(labels: Sequence[str], log: Callable[[str], None]) -> Callable[[int, GenerationResult], None]:
+    """Logs each pass as it finishes, its rate against the plain pass's."""
+    started, plain_rate = time.monotonic(), []
+
+    def on_result(i: int, result: GenerationResult) -> None:
+        rate = result.decode_tokens_per_s
+        if i == 0:
+            plain_rate.append(rate)
+            accepted = f", {rate:.1f} tokens/s"
+        else:
+            speedup = f" ({rate / plain_rate[0]:.2f}x plain)" if plain_rate and plain_rate[0] else ""
+            accepted = f", mean acceptance length {result.mean_acceptance_length:.3f}, {rate:.1f} tokens/s{speedup}"
+        log(f"drafter_eval: pass {i + 1}/{len(labels)} ({labels[i]}) done at {time.monotonic() - started:.0f}s{accepted}")
+
+    return on_result

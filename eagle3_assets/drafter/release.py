@@ -12,6 +12,12 @@ same engine: `evaluate.py`); its report decides. The new export is promoted (cop
     not judged, and a release made before bins existed is compared on the whole set alone, as before.
 Otherwise the released drafter stays and the decision's reason names both figures (and the bin).
 
+With `traffic` set, `drafter_eval` serves the traffic's held-out split beside the original held-out prompts
+(`prompt_sets.py`), and the gate judges where it matters (`traffic_decision`): the new export must beat the released
+drafter on the traffic's prompts (at least its figure at every k, above it at one, and at least its figure in each
+context bin judged there) and serve at least `1 - evaluation.original_regression_margin` of its figure on the original
+prompts at every k; the reason names both drafters' figures on both sets.
+
 A report is a basis for promotion only against the release it was served beside (`beside["released"]` names the
 digest of the weights it served, `release_digest`): served beside another release, or before anything was released,
 its family is not promoted and its eval is named to rematerialize (a change of release makes every family's eval due,
@@ -30,11 +36,19 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eagle3_assets.artifacts import RELEASE_DIR, RELEASE_JUDGED
-from eagle3_assets.drafter.eval_report import PROMPTS_BY_BIN, ContextBins, ServedReport
+from eagle3_assets.drafter.eval_report import (
+    ORIGINAL_SET,
+    PROMPT_SETS,
+    PROMPTS_BY_BIN,
+    TRAFFIC_SET,
+    ContextBins,
+    Served,
+    ServedReport,
+)
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR
 from eagle3_assets.errors import Refusal
 from eagle3_assets.families import EAGLE3, family_spec
@@ -48,6 +62,8 @@ RELEASED = "released"  # the name `drafter_eval` reports the released drafter un
 IMPORTED = "imported"  # in release.json of a published drafter imported as the release: where it came from
 # One promotion at a time decides and publishes: its lease lives beside the release, never in the directory it replaces.
 PROMOTION_LEASE_DIR = "drafter/promotion"
+# How a reason names each prompt set (`prompt_sets.py`).
+SET_NAMES = {TRAFFIC_SET: "the traffic's held-out prompts", ORIGINAL_SET: "the original held-out prompts"}
 # In an eval's record (`extra`): the digest of the export its report is of, which ties the record to the report.
 EVALUATED_SHA256 = "export_sha256"
 
@@ -63,6 +79,10 @@ class Decision:
     candidate: dict[str, float]  # "k3" -> mean acceptance length of the new export
     released: dict[str, float] | None  # the released drafter's, served beside it; None when nothing is released
     released_now: bool = False  # its export is the release (its own promotion): kept, unless another family beats it
+    # With `traffic` set, `candidate` and `released` are the figures on the traffic's held-out prompts, and these the
+    # figures on the original held-out prompts (`traffic_decision`); None without.
+    candidate_original: dict[str, float] | None = None
+    released_original: dict[str, float] | None = None
 
 
 def target_version(store: ArtifactStore) -> str:
@@ -124,30 +144,129 @@ def release_decision(
             f"{released[k]:.3f} (same prompts, k and engine): not promoted, the released drafter stays",
         )
     ours, theirs = report.export.bins, released_bins or ContextBins()
-    judged = [b for b in ours.enough(min_prompts_per_bin) if b in theirs.enough(min_prompts_per_bin)]
-    for b in judged:
-        mine, bar = ours.acceptance[b], theirs.acceptance[b]
-        if worse := [k for k in mine if k in bar and mine[k] < bar[k]]:
-            k = worse[0]
-            return decision(
-                False,
-                f"the new export serves at mean acceptance length {mine[k]:.3f} at k={k[1:]} on prompts of {b} "
-                f"tokens ({ours.prompts[b]} prompts), the released drafter at {bar[k]:.3f} (same prompts, k and "
-                "engine): not promoted, the released drafter stays",
-            )
-    unjudged = [b for b in ours.acceptance if b not in judged]
+    judged, worse_bin = bin_regression(ours, theirs, min_prompts_per_bin)
+    if worse_bin is not None:
+        b, k = worse_bin
+        return decision(
+            False,
+            f"the new export serves at mean acceptance length {ours.acceptance[b][k]:.3f} at k={k[1:]} on prompts of "
+            f"{b} tokens ({ours.prompts[b]} prompts), the released drafter at {theirs.acceptance[b][k]:.3f} (same "
+            "prompts, k and engine): not promoted, the released drafter stays",
+        )
     return decision(
         True,
         "at least as good as the released drafter: "
         + ", ".join(f"k={k[1:]} {new[k]:.3f} >= {released[k]:.3f}" for k in new if k in released)
-        + (f"; and in each context bin of {min_prompts_per_bin} or more prompts ({', '.join(judged)})" if judged
-           else "")
+        + bins_judged(ours, theirs, judged, min_prompts_per_bin),
+    )
+
+
+def traffic_decision(
+    report: ServedReport,
+    released: dict[str, Served] | None,
+    min_acceptance: float,
+    margin: float,
+    min_prompts_per_bin: int = 5,
+) -> Decision:
+    """With `traffic` set: whether the export `report` evaluated replaces the released drafter, judged where it matters
+    (docs/DESIGN.md §9). It must beat the released drafter on the traffic's held-out prompts (at least its figure at
+    every k, above it at one at least, and at least its figure in each context bin of enough prompts) and serve at
+    least (1 - `margin`) x its figure on the original held-out prompts at every k. `released` holds the released
+    drafter's figures per prompt set (None: nothing released). Every reason past the first two rules names both
+    drafters' figures on both sets."""
+    traffic, original = report.export.sets[TRAFFIC_SET], report.export.sets[ORIGINAL_SET]
+    new, new_o = traffic.acceptance, original.acceptance
+    bar, bar_o = (released[TRAFFIC_SET], released[ORIGINAL_SET]) if released else (None, None)
+
+    def decision(promote: bool, reason: str) -> Decision:
+        return Decision(promote, reason, new, bar and bar.acceptance, candidate_original=new_o,
+                        released_original=bar_o and bar_o.acceptance)  # fmt: skip
+
+    if not report.export.outputs_match_greedy:
+        return decision(False, "the new export changed the greedy output under speculative decoding: never released")
+    if not new:
+        return decision(False, "no prompt of the traffic's held-out split was served (traffic/heldout.jsonl is empty: "
+                        "log more traffic or raise traffic.heldout_share): nothing to judge the new export on; not "
+                        "promoted")  # fmt: skip
+    for name, figures in ((SET_NAMES[TRAFFIC_SET], new), (SET_NAMES[ORIGINAL_SET], new_o)):
+        if low := [k for k, v in figures.items() if v < min_acceptance]:
+            return decision(
+                False,
+                f"the new export serves at mean acceptance length {figures[low[0]]:.3f} at k={low[0][1:]} on {name}, "
+                f"below evaluation.release_min_acceptance {min_acceptance:g}: its drafts are (almost) never accepted, "
+                "as with a zeroed or misloaded head; never released",
+            )
+    if bar is None or bar_o is None:
+        return decision(True, "first release: " + _on_sets(new, new_o))
+    both = _on_sets(new, new_o, bar.acceptance, bar_o.acceptance)
+    worse = [k for k in new if new[k] < bar.acceptance.get(k, 0.0)]
+    if worse or not [k for k in new if new[k] > bar.acceptance.get(k, 0.0)]:
+        at = f"at k={worse[0][1:]} it serves less" if worse else "it serves no more at any k"
+        return decision(False, f"the new export does not beat the released drafter on {SET_NAMES[TRAFFIC_SET]} ({at}): "
+                        f"not promoted, the released drafter stays; {both}")  # fmt: skip
+    floor = {k: v * (1 - margin) for k, v in bar_o.acceptance.items()}
+    if regressed := [k for k in new_o if k in floor and new_o[k] < floor[k]]:
+        k = regressed[0]
+        return decision(
+            False,
+            f"the new export beats the released drafter on {SET_NAMES[TRAFFIC_SET]} but serves "
+            f"{1 - new_o[k] / bar_o.acceptance[k]:.1%} less on {SET_NAMES[ORIGINAL_SET]} at k={k[1:]}, more than "
+            f"evaluation.original_regression_margin {margin:g}: not promoted, the released drafter stays; {both}",
+        )
+    judged, worse_bin = bin_regression(traffic.bins, bar.bins, min_prompts_per_bin)
+    if worse_bin is not None:
+        b, k = worse_bin
+        return decision(
+            False,
+            f"the new export serves at mean acceptance length {traffic.bins.acceptance[b][k]:.3f} at k={k[1:]} on "
+            f"{SET_NAMES[TRAFFIC_SET]} of {b} tokens ({traffic.bins.prompts[b]} prompts), the released drafter at "
+            f"{bar.bins.acceptance[b][k]:.3f}: not promoted, the released drafter stays; {both}",
+        )
+    return decision(
+        True,
+        f"beats the released drafter on {SET_NAMES[TRAFFIC_SET]}, and within evaluation.original_regression_margin "
+        f"{margin:g} of it on {SET_NAMES[ORIGINAL_SET]}: {both}"
+        + bins_judged(traffic.bins, bar.bins, judged, min_prompts_per_bin),
+    )
+
+
+def _on_sets(
+    new: dict[str, float], new_o: dict[str, float],
+    bar: dict[str, float] | None = None, bar_o: dict[str, float] | None = None,
+) -> str:  # fmt: skip
+    """Both sets' figures, the released drafter's beside ours: "traffic held-out k=3 2.400 (released 2.300), …"."""
+
+    def one(name: str, ours: dict[str, float], theirs: dict[str, float] | None) -> str:
+        shown = [f"k={k[1:]} {v:.3f}" + (f" (released {theirs[k]:.3f})" if theirs and k in theirs else "")
+                 for k, v in ours.items()]  # fmt: skip
+        return f"{name} " + ", ".join(shown)
+
+    return f"{one('traffic held-out', new, bar)}; {one('original held-out', new_o, bar_o)}"
+
+
+def bin_regression(
+    ours: ContextBins, theirs: ContextBins, min_prompts_per_bin: int
+) -> tuple[list[str], tuple[str, str] | None]:
+    """The context bins judged (enough prompts in both figures), and the first (bin, k) where ours serves less."""
+    judged = [b for b in ours.enough(min_prompts_per_bin) if b in theirs.enough(min_prompts_per_bin)]
+    for b in judged:
+        mine, bar = ours.acceptance[b], theirs.acceptance[b]
+        if worse := [k for k in mine if k in bar and mine[k] < bar[k]]:
+            return judged, (b, worse[0])
+    return judged, None
+
+
+def bins_judged(ours: ContextBins, theirs: ContextBins, judged: list[str], min_prompts_per_bin: int) -> str:
+    """What a passing decision says of the bins: which were judged, which not and why."""
+    unjudged = [b for b in ours.acceptance if b not in judged]
+    return (
+        (f"; and in each context bin of {min_prompts_per_bin} or more prompts ({', '.join(judged)})" if judged else "")
         + (
             "; not judged, too few prompts or no released figures: "
             + ", ".join(f"{b} ({ours.prompts.get(b, 0)} prompts)" for b in unjudged)
             if unjudged and theirs.acceptance
             else ""
-        ),
+        )
     )
 
 
@@ -173,52 +292,58 @@ def decide(
     min_prompts_per_bin: int = 5,
     family: str = EAGLE3.name,
     approved_target: str | None = None,
+    original_margin: float | None = None,
 ) -> Decision:
     """`release_decision` on the report of the export now in `source` (a family's directory, `FamilySpec.root`;
     the store itself by default), against the drafter released for `target` (nothing released for it: a first
     release, which replaces a release of another target only when a person approved it for `target`,
-    `evaluation.replace_release_for_target`, saying so). A report that is not of that export, or not served beside
-    that release, is no basis: not promoted, and the reason names `family`'s eval to rematerialize."""
+    `evaluation.replace_release_for_target`, saying so). With `traffic` set, `original_margin` is
+    `evaluation.original_regression_margin` and the report is judged on both prompt sets (`traffic_decision`); None
+    without. A report that is not of that export, or not served beside that release (or, with `traffic`, not on both
+    sets), is no basis: not promoted, and the reason names `family`'s eval to rematerialize."""
     try:
         return _decide(
-            store, report, target, min_acceptance, source or store, min_prompts_per_bin, family, approved_target
-        )
+            store, report, target, min_acceptance, source or store, min_prompts_per_bin, family, approved_target,
+            original_margin,
+        )  # fmt: skip
     except NotComparable as e:
         return Decision(False, str(e), report.export.acceptance, None)
 
 
 def _decide(
     store: ArtifactStore, report: ServedReport, target: str, min_acceptance: float, source: ArtifactStore,
-    min_prompts_per_bin: int, family: str, approved_target: str | None,
+    min_prompts_per_bin: int, family: str, approved_target: str | None, original_margin: float | None,
 ) -> Decision:  # fmt: skip
     # A replacement a kill interrupted is finished, never read half done: the export by its trainer (or in its stead
     # once none lives), the release here, by its owner (`store` is guarded by the promotion's lease).
     settled(source, EXPORT_DIR, TRAINER_LEASE_DIR)
     store.settle(RELEASE_DIR)
+    name = family_spec(family).eval_asset
     if report.export_sha256 != export_digest(source):
-        name = family_spec(family).eval_asset
         raise NotComparable(
             f"the {name} report ({report.export_sha256 or 'no digest'}) is not of the export now at "
             f"{source.url_of(EXPORT_DIR)}: not promoted; rematerialize {name} first"
         )
+    on_sets = original_margin is not None
+    if on_sets and (missing := [s for s in (TRAFFIC_SET, ORIGINAL_SET) if s not in report.export.sets]):
+        raise NotComparable(
+            f"the {name} report has no figures on {SET_NAMES[missing[0]]} (served before `traffic` was set): not "
+            f"promoted; rematerialize {name}, which serves both prompt sets"
+        )
     other = other_target(store, target)
     if other is None and report.export_sha256 == release_digest(store):
-        # The report this release was promoted on (or its eval made again, beside itself): it was judged then, and
-        # every other family's eval was served beside it since (a change of release makes them due).
-        figures = store.read_json(RELEASE_RECORD).get("acceptance") or {}
-        return Decision(
-            True,
-            f"the {family} export is the release (sha256 {report.export_sha256}): it stays, released on "
-            + ", ".join(f"k={k[1:]} {v:.3f}" for k, v in figures.items()),
-            report.export.acceptance, figures, released_now=True,
-        )  # fmt: skip
-    decision = release_decision(
-        report,
-        None if other else released_figures(store, report, family),
-        min_acceptance,
-        None if other else released_bins(store, report),
-        min_prompts_per_bin,
-    )
+        return _released_now(store, report, family, on_sets)
+    if on_sets:
+        released = None if other else released_sets(store, report, family)
+        decision = traffic_decision(report, released, min_acceptance, original_margin, min_prompts_per_bin)
+    else:
+        decision = release_decision(
+            report,
+            None if other else released_figures(store, report, family),
+            min_acceptance,
+            None if other else released_bins(store, report),
+            min_prompts_per_bin,
+        )
     if other:
         # Dropping a release cannot be undone, and a target changes by accident too (issue 52, item 5): a person says.
         approved = approved_target == target
@@ -230,8 +355,48 @@ def _decide(
                 else "kept: a release for another target is replaced only by a person's approval; set "
                 f"evaluation.replace_release_for_target: {target} to release this export in its place"
             )
-        return Decision(decision.promote and approved, f"{decision.reason}; {other}: {outcome}", decision.candidate, None)
+        return replace(decision, promote=decision.promote and approved, reason=f"{decision.reason}; {other}: {outcome}",
+                       released=None, released_original=None)  # fmt: skip
     return decision
+
+
+def _released_now(store: ArtifactStore, report: ServedReport, family: str, on_sets: bool) -> Decision:
+    """The report this release was promoted on (or its eval made again, beside itself): it was judged then, and every
+    other family's eval was served beside it since (a change of release makes them due)."""
+    record = store.read_json(RELEASE_RECORD)
+    figures = record.get("acceptance") or {}
+    released_on = ", ".join(f"k={k[1:]} {v:.3f}" for k, v in figures.items())
+    sets = record.get(PROMPT_SETS) or {}
+    if on_sets and TRAFFIC_SET in sets and ORIGINAL_SET in sets:
+        released_on = _on_sets(sets[TRAFFIC_SET]["acceptance"], sets[ORIGINAL_SET]["acceptance"])
+    candidate = report.export.sets[TRAFFIC_SET].acceptance if on_sets else report.export.acceptance
+    return Decision(
+        True, f"the {family} export is the release (sha256 {report.export_sha256}): it stays, released on {released_on}",
+        candidate, figures, released_now=True,
+    )  # fmt: skip
+
+
+def released_sets(store: ArtifactStore, report: ServedReport, family: str = EAGLE3.name) -> dict[str, Served] | None:
+    """The released drafter's figures on each prompt set served beside the new export, as `released_figures` takes
+    its whole-set ones (the bars it was released at, per set, when it no longer serves greedily here); None when
+    nothing is released."""
+    if released_figures(store, report, family) is None:  # which release it was served beside, checked
+        return None
+    beside, name = report.beside[RELEASED], family_spec(family).eval_asset
+    if missing := [s for s in (TRAFFIC_SET, ORIGINAL_SET) if s not in beside.sets]:
+        raise NotComparable(
+            f"the {name} report has no figures of the released drafter on {SET_NAMES[missing[0]]}: not promoted; "
+            f"rematerialize {name}, which serves both prompt sets"
+        )
+    if beside.outputs_match_greedy:
+        return beside.sets
+    recorded = store.read_json(RELEASE_RECORD).get(PROMPT_SETS) or {}
+    out = {}
+    for s, served in beside.sets.items():
+        bar = recorded.get(s) or {}
+        acceptance = {k: float((bar.get("acceptance") or {}).get(k, v)) for k, v in served.acceptance.items()}
+        out[s] = Served(acceptance, False, ContextBins.from_json(bar, acceptance_key=RELEASE_ACCEPTANCE_BY_BIN))
+    return out
 
 
 def released_figures(
@@ -305,6 +470,10 @@ def promote(
             "acceptance": decision.candidate,
             PROMPTS_BY_BIN: report.export.bins.prompts,
             RELEASE_ACCEPTANCE_BY_BIN: report.export.bins.acceptance,
+            # With `traffic` set: the figures on each prompt set, the bars when it no longer serves greedily.
+            **({PROMPT_SETS: {s: {"acceptance": f.acceptance, PROMPTS_BY_BIN: f.bins.prompts,
+                                  RELEASE_ACCEPTANCE_BY_BIN: f.bins.acceptance} for s, f in report.export.sets.items()}}
+               if report.export.sets else {}),
             "replaced": decision.released,
             "reason": decision.reason,
             "export": source.url_of(EXPORT_DIR),

@@ -35,6 +35,7 @@ from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.imported_release import install_start_from
 from eagle3_assets.drafter.release import (
     EVALUATED_SHA256,
+    Decision,
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
     choose,
@@ -113,18 +114,21 @@ def drafter_asset(
     return drafter
 
 
-def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
-    """A family's export served with the target in vLLM on held-out prompts (`drafter_eval`, `drafter_eval_<family>`)."""
+def drafter_eval_asset(family: FamilySpec = EAGLE3, *after: AssetKey) -> AssetsDefinition:
+    """A family's export served with the target in vLLM on held-out prompts (`drafter_eval`, `drafter_eval_<family>`),
+    after the inputs `after` too (`traffic_prompts`, with `traffic` set: its held-out split is served too). Declared
+    here, as `responses_asset` declares its own (`defs/data/assets.py`)."""
     name = family.eval_asset
 
     @asset(
         key=eval_key(family),
         group_name=GROUP,
-        deps=[drafter_key(family)],
+        deps=[drafter_key(family), *after],
         pool=GPU_POOL,
         kinds={"vllm"},
         description=f"The {family.name} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
-        "speculative tokens, and the features' share of it. With `start_from`, a store with no release first gets the "
+        "speculative tokens, and the features' share of it; with `traffic`, on the traffic's held-out split and the "
+        "original held-out prompts each (`prompt_sets`). With `start_from`, a store with no release first gets the "
         "published drafter as its release, served beside the export as the bar the gate holds.",
     )
     def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
@@ -153,6 +157,22 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3) -> AssetsDefinition:
     return drafter_eval
 
 
+def release_figures(decisions: dict[str, Decision], chosen: str | None) -> dict[str, float]:
+    """The figures `drafter_release` shows: the chosen family's (or the first's) beside the released drafter's, and each
+    family's. With `traffic`, new_/released_ are those on the traffic's held-out prompts, new_original_/
+    released_original_ those on the original ones."""
+    shown = decisions[chosen] if chosen is not None else next(iter(decisions.values()))
+    figures = {f"new_{k}": v for k, v in shown.candidate.items()} | {
+        f"released_{k}": v for k, v in (shown.released or {}).items()
+    }
+    figures |= {f"new_original_{k}": v for k, v in (shown.candidate_original or {}).items()} | {
+        f"released_original_{k}": v for k, v in (shown.released_original or {}).items()
+    }
+    for f, d in decisions.items():  # each family's served figures, beside the released one's
+        figures |= {f"{f}_{k}": v for k, v in d.candidate.items()}
+    return figures
+
+
 def drafter_release_asset(families: list[str]) -> AssetsDefinition:
     """`drafter_release`, after the eval of every family the settings train."""
 
@@ -167,7 +187,9 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
                 blocking=True,
                 description="a new export serves at least as well as the released drafter (same prompts, k and "
                 "engine; overall and in each context bin of evaluation.min_prompts_per_bin prompts or more), greedy, "
-                "and above evaluation.release_min_acceptance, and best of the families; else it is not released",
+                "and above evaluation.release_min_acceptance, and best of the families; else it is not released. With "
+                "`traffic`: it beats the released drafter on the traffic's held-out prompts and serves within "
+                "evaluation.original_regression_margin of it on the original held-out prompts",
             )
         ],
     )
@@ -188,21 +210,18 @@ def drafter_release_asset(families: list[str]) -> AssetsDefinition:
             sources = {f: store.child(family_spec(f).root) for f in families}
             reports = {f: ServedReport.read(out) for f, out in sources.items()}
             evaluation = project.settings.evaluation
+            # With `traffic` set, judged on both prompt sets (`release.traffic_decision`).
+            margin = evaluation.original_regression_margin if project.settings.traffic is not None else None
             decisions = {
                 f: decide(store, reports[f], target, evaluation.release_min_acceptance, sources[f],
                           evaluation.min_prompts_per_bin, family=f,
-                          approved_target=evaluation.replace_release_for_target)
+                          approved_target=evaluation.replace_release_for_target, original_margin=margin)
                 for f in families
             }  # fmt: skip
             chosen, reasons = choose(decisions)
             if chosen is not None:
                 promote(store, decisions[chosen], reports[chosen], target, sources[chosen], chosen)
-        shown = decisions[chosen] if chosen is not None else decisions[families[0]]
-        figures = {f"new_{k}": v for k, v in shown.candidate.items()} | {
-            f"released_{k}": v for k, v in (shown.released or {}).items()
-        }
-        for f in families:  # each family's served figures, beside the released one's
-            figures |= {f"{f}_{k}": v for k, v in decisions[f].candidate.items()}
+        figures = release_figures(decisions, chosen)
         reason = (decisions[chosen].reason if chosen is not None else "") + "".join(
             f"; {why}" for why in reasons.values()
         )
