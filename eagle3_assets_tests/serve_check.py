@@ -27,12 +27,17 @@ if __name__ == "__main__":
         loads.append((type(self.module).__name__, names, set(loaded)))
         return loaded
 
+    from eagle3_assets.target import TargetModel, read_config
+    from eagle3_assets.vllm_server.command import compilation_config
+
     utils.AutoWeightsLoader.load_weights = recorded
     request = json.loads(open(sys.argv[1]).read())
     llm = LLM(
         model=request["target"],
         speculative_config={"method": "eagle3", "model": request["draft"], "num_speculative_tokens": 3},
         dtype="auto", enforce_eager=True, max_model_len=512, seed=0, skip_tokenizer_init=True, disable_log_stats=False,
+        # as the pipeline's engines; the shape alone (a tiny target's default aux ids may collide)
+        compilation_config=compilation_config(TargetModel.from_config(read_config(request["target"]), path=request["target"])),
     )  # fmt: skip
     draft_class, names, loaded = next(r for r in reversed(loads) if r[0].startswith("Eagle3"))
     llm.generate(

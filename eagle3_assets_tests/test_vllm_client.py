@@ -104,6 +104,11 @@ def test_serve_args_per_role():
     k25 = TargetModel.from_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": kimi().config,
                                    "vision_config": {}}, path="/models/kimi-k2.5", aux_layer_ids=(2, 30, 58))  # fmt: skip
     assert k25.wrapped and not target.wrapped
+    # An MLA target on the CPU build: the native rotary, vLLM's CPU kernel mis-rotating MLA's multi-head query.
+    mla = TargetModel.from_config({**kimi().config, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, path="/models/k2")
+    mla_args = serve_args(mla, vllm, ServerPlan.for_target(mla, "generate"), host="h", port=1)
+    assert json.loads(mla_args[mla_args.index("--compilation-config") + 1]) == {"custom_ops": ["-rotary_embedding"]}
+    assert "--compilation-config" not in gen
     assert serve_args(k25, vllm, ServerPlan.for_target(k25, "generate"), host="0.0.0.0", port=8000) == [
         "/models/kimi-k2.5", *common[1:-3], "--language-model-only", "--max-model-len", "32768", "--enable-prefix-caching"
     ]

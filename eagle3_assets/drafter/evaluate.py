@@ -94,6 +94,7 @@ from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
+from eagle3_assets.vllm_server.command import compilation_config
 
 REFERENCE = "reference"
 # Speculative decoding verifies k+1 tokens in one forward where plain decoding takes one: other kernels, so in bf16
@@ -520,6 +521,7 @@ def serve_passes(
         common={
             "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
             "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
+                "compilation_config": compilation_config(target),
         },  # fmt: skip
         timeout_s=timeout_s,
         on_result=_pass_logger(labels, log),

@@ -211,6 +211,7 @@ def generate(
     enforce_eager: bool = True,
     margins: bool = False,
     language_model_only: bool = False,
+    compilation_config: dict[str, Any] | None = None,
 ) -> GenerationResult:
     """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given, or
     n-gram prompt lookup with `method="ngram"`."""
@@ -236,6 +237,7 @@ def generate(
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             language_model_only=language_model_only,
+            compilation_config=compilation_config,
             disable_log_stats=False,
             seed=0,
         )

@@ -18,10 +18,22 @@ from typing import Any
 
 from eagle3_assets.settings import VllmSettings
 from eagle3_assets.target import TargetModel
+from eagle3_assets.vllm_server.cores import cpu_build
 from eagle3_assets.vllm_server.protocol import ServerPlan
 
 CONNECTOR_MODULE = "eagle3_assets.vllm_server.connector"
 CONNECTOR_CLASS = "SampleFileConnector"
+
+
+# vLLM 0.32's CPU rotary kernel (`RotaryEmbedding.forward_cpu`) rotates a 3-D [tokens, heads, dim] query wrongly once
+# it has more than one head, and only MLA passes its query so (DeepSeek-V2/V3, Kimi-K2; its drafter too): every head's
+# rotary part, so every attention score, was off (docs/DESIGN.md §6). The op's native torch path is right.
+MLA_CPU_COMPILATION: dict[str, Any] = {"custom_ops": ["-rotary_embedding"]}
+
+
+def compilation_config(target: TargetModel) -> dict[str, Any] | None:
+    """The engine's `compilation_config` for `target`: None (vLLM's own) but for an MLA target on the CPU build."""
+    return MLA_CPU_COMPILATION if target.config.get("kv_lora_rank") and cpu_build() else None
 
 
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
@@ -72,6 +84,8 @@ def serve_args(
         args.append("--trust-remote-code")
     if target.wrapped:
         args.append("--language-model-only")
+    if (compilation := compilation_config(target)) is not None:
+        args += ["--compilation-config", json.dumps(compilation)]
     if vllm.max_model_len is not None:
         args += ["--max-model-len", str(vllm.max_model_len)]
     if plan.layer_ids:
