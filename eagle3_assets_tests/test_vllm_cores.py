@@ -68,6 +68,14 @@ def test_the_engines_first_process_pins_itself_and_its_children_to_the_claim(tmp
     assert sorted(os.sched_getaffinity(0)) == ALLOWED
 
 
+def test_drafter_evals_engine_interpreter_pins_itself_before_torch_loads():
+    """`python -m eagle3_assets.drafter.vllm_eval` pins itself (`main`) after importing its module: torch loaded before
+    the pin ran drafter_eval's passes 2.6x slower on a one-core claim (BENCHMARKS.md `eval engine pinning`)."""
+    code = "import sys, eagle3_assets.drafter.vllm_eval; print(sorted({'torch', 'numpy', 'vllm'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
 @two_cores
 def test_a_claim_lasts_as_long_as_the_process_holding_it(tmp_path: Path):
     claim = claim_cores(1, registry=tmp_path)
