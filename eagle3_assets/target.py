@@ -211,6 +211,16 @@ def stop_token_ids(target: TargetModel) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
 
 
+def load_hf_model(target: TargetModel, dtype: Any) -> Any:
+    """The target in transformers (`dtype` as `from_pretrained` takes it). A vision-language wrapper (Kimi-K2.5) is no
+    causal LM to transformers' auto classes: it loads as image-text-to-text, and given token ids alone runs its text
+    model, whose hidden states, final norm (`get_decoder().norm`) and logits are the ones a causal LM's would be."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # here: the supervisor reads targets
+
+    auto = AutoModelForImageTextToText if target.wrapped else AutoModelForCausalLM
+    return auto.from_pretrained(str(target.path), dtype=dtype, trust_remote_code=target.trust_remote_code)
+
+
 def load_tokenizer(target: TargetModel | str | Path, *, trust_remote_code: bool | None = None) -> PreTrainedTokenizerBase:
     """The target's tokenizer (fast or slow), with a chat template; errors name the path and the setting to change."""
     from transformers import AutoTokenizer  # here, not at import: the vLLM supervisor reads targets too

@@ -54,7 +54,8 @@ from .helpers import REPO, vllm_test_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
-# Kimi-K2's shape and one more MoE architecture; `EAGLE3_ARCHITECTURES` picks others (`gpt_oss`, `qwen3`, `llama`).
+# Kimi-K2's shape and one more MoE architecture; `EAGLE3_ARCHITECTURES` picks others (`kimi_k25`, `gpt_oss`, `qwen3`,
+# `llama`).
 LEGS = os.environ.get("EAGLE3_ARCHITECTURES", "deepseek_v3,qwen3_moe").split(",")
 ROWS = int(os.environ.get("EAGLE3_ARCH_ROWS", "240"))
 EVAL_PROMPTS = 8
@@ -110,10 +111,14 @@ def leg(request, tmp_path_factory):
 def test_the_target_is_a_miniature_of_its_architecture(leg):
     architecture, project, _ = leg
     config = json.loads((project.target_dir() / "config.json").read_text())
-    assert config["model_type"] == architecture and config["dtype"] == ARCHITECTURES[architecture].served_dtype
-    if architecture == "deepseek_v3":  # Kimi-K2's: MLA with the latent the CPU kernels take, a dense first layer
-        assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["first_k_dense_replace"]) == (512, 64, 1)
-        assert (config["topk_method"], config["scoring_func"], config["n_shared_experts"]) == ("noaux_tc", "sigmoid", 1)
+    arch = ARCHITECTURES[architecture]
+    assert config["model_type"] == architecture and config["dtype"] == arch.served_dtype
+    # A wrapper (Kimi-K2.5) holds its text model under `text_config`, its tensors under `language_model.`.
+    text = config["text_config"] if arch.text_model else config
+    assert project.target().wrapped == bool(arch.text_model)
+    if arch.text.name == "deepseek_v3":  # Kimi-K2's: MLA with the latent the CPU kernels take, a dense first layer
+        assert (text["kv_lora_rank"], text["qk_rope_head_dim"], text["first_k_dense_replace"]) == (512, 64, 1)
+        assert (text["topk_method"], text["scoring_func"], text["n_shared_experts"]) == ("noaux_tc", "sigmoid", 1)
 
 
 def test_training_rows_are_exactly_what_vllm_saw_and_generated(leg):

@@ -1,12 +1,14 @@
 """Kimi-K2.5's wrapper (issue 51, item 1), engine-free: `KimiK25ForConditionalGeneration` around a DeepSeek-V3 text
 model. The pipeline reads the shape from `text_config` and the drafter's embedding, final norm and head under the
-published checkpoint's names (`language_model.…`); a wrapper without `text_config` is refused, naming it."""
+published checkpoint's names (`language_model.…`), and the HF backend extracts the text model's hidden states from it; a
+wrapper without `text_config` is refused, naming it. Through the whole graph: `test_architectures.py`'s `kimi_k25` leg."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -20,6 +22,8 @@ from eagle3_assets.demo.kimi_k25 import (
     write_kimi_k25_wrapper,
 )
 from eagle3_assets.drafter.target_head import load_target_weights
+from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order
+from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.settings import CONFIG_ENV, SettingsError, load_settings
 from eagle3_assets.target import TargetModel, TargetModelError
 
@@ -99,6 +103,21 @@ def test_the_drafters_embedding_norm_and_head_are_read_under_the_wrappers_names(
     assert str(e.value) == (
         "vision_tower.patch_embed.weight: not a causal-LM tensor name (expected model.… or lm_head.…)"
     )
+
+
+def test_the_hf_backend_extracts_the_text_models_hidden_states_from_the_wrapper(deepseek_v3, kimi_k25: Path):
+    """transformers loads a wrapper as image-text-to-text (`target.load_hf_model`); given token ids alone it runs the
+    text model: the same aux and last hidden states as the text model's own directory, to the bit."""
+    request = ExtractionRequest(0, np.array([1, 7, 42, 300, 5, 9], dtype=np.int32))
+    samples = []
+    for path in (deepseek_v3[0], kimi_k25):
+        extractor = HFExtractor(TargetModel.read(path, aux_layer_ids=[1, 3, 5]), batch_tokens=64, device="cpu")
+        assert extractor.last_hidden_state_norm == "pre_norm"  # the text model's final norm was found
+        samples.append(extract_in_order(extractor, [request])[0])
+    text, wrapped = samples
+    assert torch.equal(wrapped.aux_hidden_states, text.aux_hidden_states)
+    assert torch.equal(wrapped.last_hidden_state, text.last_hidden_state)
+    assert wrapped.aux_hidden_states.shape == (6, 3 * 64)
 
 
 def test_a_wrapper_without_text_config_is_refused_naming_it(kimi_k25: Path, tmp_path: Path):

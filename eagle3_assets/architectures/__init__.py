@@ -9,11 +9,12 @@ from __future__ import annotations
 from eagle3_assets.architectures.base import Architecture, MiniatureShape
 from eagle3_assets.architectures.deepseek_v3 import DEEPSEEK_V3
 from eagle3_assets.architectures.gpt_oss import GPT_OSS
+from eagle3_assets.architectures.kimi_k25 import KIMI_K25
 from eagle3_assets.architectures.llama import LLAMA
 from eagle3_assets.architectures.qwen3 import QWEN3
 from eagle3_assets.architectures.qwen3_moe import QWEN3_MOE
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, DEEPSEEK_V3, QWEN3_MOE, QWEN3, GPT_OSS)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, DEEPSEEK_V3, KIMI_K25, QWEN3_MOE, QWEN3, GPT_OSS)}
 
 
 def by_hf_architecture(hf_architecture: str) -> Architecture | None:

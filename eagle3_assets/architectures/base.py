@@ -59,3 +59,11 @@ class Architecture:
     # config.json after `save_pretrained`.
     config_extras: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
+    # A vision-language wrapper's text model (Kimi-K2.5's is DeepSeek-V3): the miniature is that model, trained as it
+    # is, then written in the wrapper's layout (`demo/target.py`); `miniature` and `config_extras` are then unused.
+    text_model: Architecture | None = None
+
+    @property
+    def text(self) -> Architecture:
+        """The architecture of the model that computes: the wrapped text model's, or this one."""
+        return self.text_model or self

@@ -1,7 +1,8 @@
 """Build the embedded demo target: a small model trained in-process on the synthetic world.
 
 `build_demo_target(out_dir, demo)` trains the tokenizer, then a miniature of `demo.architecture` (a Llama by
-default; `eagle3_assets/architectures/` declares the others)
+default; `eagle3_assets/architectures/` declares the others; a vision-language wrapper, Kimi-K2.5's, is trained as
+its text model and then written in the wrapper's layout)
 on conversations about EVERY entity (train and heldout: the target must know all the
 facts; only the drafter's data is split) plus template tasks, with the loss on the
 assistant tokens only. It then measures greedy accuracy on one fact question per
@@ -38,6 +39,8 @@ import transformers
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from eagle3_assets.architectures import ARCHITECTURES, Architecture, MiniatureShape
+from eagle3_assets.demo.kimi_k25 import MODEL_TYPE as KIMI_K25_MODEL_TYPE
+from eagle3_assets.demo.kimi_k25 import write_kimi_k25_wrapper
 
 from eagle3_assets.demo.tokenizer import (
     ASSISTANT,
@@ -142,7 +145,7 @@ def miniature_shape(demo: DemoSettings, vocab_size: int, recipe: TrainingRecipe 
 
 def new_model(demo: DemoSettings, vocab_size: int, recipe: TrainingRecipe = RECIPE) -> PreTrainedModel:
     """The untrained miniature of `demo.architecture`, in float32 (trained so; saved in its served dtype)."""
-    arch = ARCHITECTURES[demo.architecture]
+    arch = ARCHITECTURES[demo.architecture].text  # a wrapper's text model is what trains
     config = AutoConfig.for_model(arch.model_type, **arch.miniature(miniature_shape(demo, vocab_size, recipe)))
     return getattr(transformers, arch.hf_architecture)(config)
 
@@ -378,13 +381,26 @@ def build_demo_target(out_dir: Path, demo: DemoSettings, *, log: Callable[[str],
             f"values {info.fact_value_accuracy:.3f}, templates {info.template_accuracy:.3f}; saving to {out_dir}"
         )
         tmp.mkdir(parents=True)
-        _save(model, tok, info, tmp, arch)
+        _save(model, tok, info, tmp, arch.text)
+        if arch.text_model is not None:
+            tmp = _wrap(tmp, arch)
         _replace_dir(tmp, out_dir)
         return info
     finally:
         torch.set_num_threads(threads)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# How a vision-language wrapper is written around its trained text model, by the wrapper's model_type.
+WRAPPERS: dict[str, Callable[[Path, Path], Path]] = {KIMI_K25_MODEL_TYPE: write_kimi_k25_wrapper}
+
+
+def _wrap(text_dir: Path, arch: Architecture) -> Path:
+    """`text_dir` written in `arch`'s wrapper layout beside it; the text model's directory is removed."""
+    wrapped = WRAPPERS[arch.model_type](text_dir, text_dir.with_name(f"{text_dir.name}-{arch.model_type}"))
+    shutil.rmtree(text_dir)
+    return wrapped
 
 
 def _replace_dir(src: Path, dest: Path) -> None:

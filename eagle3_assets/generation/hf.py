@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle3_assets.generation.base import Generated
 from eagle3_assets.settings import GenerationSettings
-from eagle3_assets.target import TargetModel, stop_token_ids
+from eagle3_assets.target import TargetModel, load_hf_model, stop_token_ids
 
 
 def pick_device() -> torch.device:
@@ -23,11 +22,7 @@ class HFGenerator:
         self.settings = settings
         self.device = device or pick_device()
         dtype = torch.float32 if self.device.type == "cpu" else "auto"
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype, trust_remote_code=target.trust_remote_code)
-            .to(self.device)
-            .eval()
-        )
+        self.model = load_hf_model(target, dtype).to(self.device).eval()
         self.stop_token_ids = stop_token_ids(target)
         # Any id: padding is masked out and cut off the results.
         self.pad_id = min(self.stop_token_ids) if self.stop_token_ids else 0

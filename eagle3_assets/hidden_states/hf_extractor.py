@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle3_assets.hidden_states.base import ExtractedSample, ExtractionRequest, ExtractorConfigError
 from eagle3_assets.sample_file import SampleSpec
-from eagle3_assets.target import TargetModel
+from eagle3_assets.target import TargetModel, load_hf_model
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -58,7 +57,7 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 class HFExtractor:
-    """A `HiddenStateExtractor` over `AutoModelForCausalLM` from a local directory."""
+    """A `HiddenStateExtractor` over the target in transformers (`load_hf_model`), from a local directory."""
 
     backend = "hf"
 
@@ -80,9 +79,7 @@ class HFExtractor:
         if model is None:
             # float32 on CPU (bf16 matmuls there are slow and inexact); the checkpoint's own dtype on GPU.
             dtype = torch.float32 if self.device.type == "cpu" else "auto"
-            model = AutoModelForCausalLM.from_pretrained(
-                str(target.path), dtype=dtype, trust_remote_code=target.trust_remote_code
-            )
+            model = load_hf_model(target, dtype)
         self.model = model.to(self.device).eval()
         self.hidden_size = target.hidden_size
         self.num_layers = target.num_layers
