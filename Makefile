@@ -76,7 +76,7 @@ bench-demo: install
 
 # The architecture matrix at bench size (1,200 rows a leg) on every architecture the CPU build serves, held to the
 # same assertions as in `make test`, then its figures (BENCHMARKS.md `architectures`).
-BENCH_ARCHITECTURES ?= deepseek_v3,qwen3_moe,gpt_oss,qwen3,llama
+BENCH_ARCHITECTURES ?= deepseek_v3,kimi_k25,qwen3_moe,gpt_oss,qwen3,llama
 bench-arch: install
 	rm -rf benchmarks/out/arch
 	EAGLE3_ARCHITECTURES=$(BENCH_ARCHITECTURES) EAGLE3_ARCH_ROWS=1200 $(BIN)/python -m pytest -q --basetemp=benchmarks/out/arch eagle3_assets_tests/test_architectures.py

@@ -38,6 +38,26 @@ TINY_VISION_CONFIG: dict[str, Any] = {
     "num_attention_heads": 2,
     "num_hidden_layers": 1,
 }
+# The image processor's config (`preprocessor_config.json`). vLLM builds Kimi-K2.5's processing info when it starts,
+# text-only too, and its processor reads these `media_proc_cfg` fields (the vision tower's patch 14, 2x2 merge and
+# 4-frame chunks; the limits as transformers' Kimi-K2.5 image processor defaults them); without the file the server
+# exits before it is ready. Text-only serving never processes an image with them.
+PREPROCESSOR_FILE = "preprocessor_config.json"
+PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "image_processor_type": "Kimi_K25ImageProcessor",
+    "media_proc_cfg": {
+        "patch_size": 14,
+        "merge_kernel_size": 2,
+        "temporal_merge_kernel_size": 4,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "in_patch_limit": 16384,
+        "in_patch_limit_each_frame": 4096,
+        "in_patch_limit_video": None,
+        "patch_limit_on_one_side": 512,
+        "fixed_output_tokens": None,
+    },
+}
 # Kimi-K2.5's media token ids. vLLM's model reads `image_token_id`; its EAGLE-3 proposer reads a KimiK25 target's
 # `media_placeholder_token_id` (the hub schema's name for the same `<|media_pad|>` id), so both are written.
 MEDIA_TOKEN_IDS: dict[str, int] = {
@@ -128,6 +148,8 @@ def write_kimi_k25_wrapper(text_model_dir: str | Path, out_dir: str | Path) -> P
                 shutil.copy2(path, staging / path.name)
         _write_weights(src, staging)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if not (staging / PREPROCESSOR_FILE).exists():
+            (staging / PREPROCESSOR_FILE).write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
         staging.chmod(0o755)  # mkdtemp makes it owner-only; a model directory is shared
         staging.rename(out)
     except BaseException:

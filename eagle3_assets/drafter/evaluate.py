@@ -521,11 +521,15 @@ def serve_passes(
         common={
             "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
             "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
-                "compilation_config": compilation_config(target),
+            "compilation_config": compilation_config(target),
         },  # fmt: skip
         timeout_s=timeout_s,
         on_result=_pass_logger(labels, log),
         cpu_cores=settings.vllm.cpu_cores,
+        # A wrapper's engine core in a process of its own: vLLM 0.32 loads Kimi-K2.5's image processor (numba, so
+        # llvmlite) in the front end, text-only too, and its CPU worker's kernel scan of every loaded module then
+        # fails on an llvmlite object in the same process (docs/DESIGN.md §6).
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if target.wrapped else None,
     )
     served.plain_outputs = plain.outputs
     for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
