@@ -27,15 +27,21 @@ from eagle3_assets.project import Project
 from eagle3_assets.sample_file import SampleSpec
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel
 from eagle3_assets.tokenized import TokenizedSet
+from eagle3_assets.vllm_server.command import compilation_config
 
 
-def plain_prefill_samples_per_s(target: Path, rows: list[list[int]], dtype: str) -> float:
-    """Samples/s of a prefill of each row (one token generated, nothing captured), after one warm-up request."""
+def plain_prefill_samples_per_s(target: TargetModel, rows: list[list[int]], dtype: str) -> float:
+    """Samples/s of a prefill of each row (one token generated, nothing captured), after one warm-up request, in an
+    engine started as the pipeline starts one for `target` (text-only for a wrapper, MLA's native rotary)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=1024, seed=0, skip_tokenizer_init=True)
+    llm = LLM(
+        model=str(target.path), dtype=dtype, enforce_eager=True, max_model_len=1024, seed=0, skip_tokenizer_init=True,
+        language_model_only=target.wrapped, compilation_config=compilation_config(target),
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=rows[0])], params, use_tqdm=False)
     started = time.perf_counter()
@@ -57,12 +63,11 @@ def leg_figures(leg: Path) -> dict[str, object]:
         shard = {k: v.value for k, v in record.event_log_entry.asset_materialization.metadata.items()}
     spec = SampleSpec(target.hidden_size, target.aux_layer_ids, settings.extraction.storage_dtype)
     plain = plain_prefill_samples_per_s(
-        target.path, [rows.row(r)[0].tolist() for r in range(rows.num_rows)], settings.vllm.dtype
+        target, [rows.row(r)[0].tolist() for r in range(rows.num_rows)], settings.vllm.dtype
     )
     return {
         "architecture": settings.demo.architecture,
         "rows": rows.num_rows,
-        "drafter_steps": report.get("steps"),
         "k3": report["mean_acceptance_length_k3"],
         "k7": report["mean_acceptance_length_k7"],
         "k3_features_zeroed": report["mean_acceptance_length_k3_features_zeroed"],
@@ -80,6 +85,8 @@ if __name__ == "__main__":
     parser.add_argument("legs", nargs="+", type=Path, help="leg directories `make bench-arch` kept")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The engine core in a process of its own, as in the server that extracted: and a wrapper's must be (its image
+    # processor's llvmlite breaks an in-process core, docs/DESIGN.md §6), which would break every later leg here.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     for leg in args.legs:
         print(json.dumps(leg_figures(leg)), flush=True)
