@@ -6,7 +6,7 @@ vLLM's loader raises on a checkpoint name it has no parameter for, so "unloaded"
 (shared from the target) means every weight vLLM builds came from the export and none of the export was left over.
 The loader is wrapped, not replaced: vLLM loads exactly as it would, and this script notes what it returned.
 Each load is recorded in `result.json.loads.jsonl` by the process that loads: this one with
-VLLM_ENABLE_V1_MULTIPROCESSING=0, or the engine core it spawns with 1 (a vision-language wrapper's: docs/DESIGN.md §6).
+VLLM_ENABLE_V1_MULTIPROCESSING=0, or the engine core it spawns for a vision-language wrapper (`engine_process_env`).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ if __name__ == "__main__":
 
     os.environ[LOADS_ENV] = loads_file = sys.argv[2] + ".loads.jsonl"
     from eagle3_assets.target import TargetModel, read_config
-    from eagle3_assets.vllm_server.command import compilation_config
+    from eagle3_assets.vllm_server.command import compilation_config, engine_process_env
 
     request = json.loads(open(sys.argv[1]).read())
     target = TargetModel.from_config(read_config(request["target"]), path=request["target"])
+    os.environ.update(engine_process_env(target))  # as drafter_eval starts it; read when the engine starts
     llm = LLM(
         model=request["target"],
         speculative_config={"method": "eagle3", "model": request["draft"], "num_speculative_tokens": 3},

@@ -94,7 +94,7 @@ from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
-from eagle3_assets.vllm_server.command import compilation_config
+from eagle3_assets.vllm_server.command import compilation_config, engine_process_env
 
 REFERENCE = "reference"
 # Speculative decoding verifies k+1 tokens in one forward where plain decoding takes one: other kernels, so in bf16
@@ -526,10 +526,7 @@ def serve_passes(
         timeout_s=timeout_s,
         on_result=_pass_logger(labels, log),
         cpu_cores=settings.vllm.cpu_cores,
-        # A wrapper's engine core in a process of its own: vLLM 0.32 loads Kimi-K2.5's image processor (numba, so
-        # llvmlite) in the front end, text-only too, and its CPU worker's kernel scan of every loaded module then
-        # fails on an llvmlite object in the same process (docs/DESIGN.md §6).
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if target.wrapped else None,
+        env=engine_process_env(target),
     )
     served.plain_outputs = plain.outputs
     for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
