@@ -13,7 +13,9 @@ Two takers within one settle window both see the later writer's token, so one of
 holder checks before every write it publishes (`Lease.check`, the store's write guard): the file
 must still carry its token, and its own last renewal must be younger than `expiry_s`, so a holder
 that was frozen (SIGSTOP, a swapped-out VM) past the expiry writes nothing more on waking, even
-before it has read who took over. docs/OPERATING.md, "Leases", sets the values against the
+before it has read who took over. A renewal the frozen holder had in flight may still land after the takeover
+(no compare-and-swap can stop it): the taker finds its predecessor's expired lease back in the file and takes it
+back the same way. docs/OPERATING.md, "Leases", sets the values against the
 store's latency.
 """
 
@@ -98,6 +100,7 @@ class Lease:
         self._renewed_at = 0.0  # _clock() of this holder's last renewal
         self._read_at = 0.0  # _clock() of check()'s last read of the file
         self._lost: str | None = None
+        self._superseded: str | None = None  # the token of the expired holder this one took over from
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -135,6 +138,7 @@ class Lease:
             raise
         if back is None or back.token != self.me.token:
             raise self._refuse(back or current or self.me)
+        self._superseded = current.token if current is not None else None
         self._renewed_at = wrote_at
         self._beat = threading.Thread(target=self._heartbeat, name=f"lease {self.rel}", daemon=True)
         self._beat.start()
@@ -178,10 +182,27 @@ class Lease:
             elif read or now - self._read_at >= READ_EVERY_S:
                 holder = self.read()
                 self._read_at = now
-                if holder is None or holder.token != self.me.token:
-                    self._lost = "taken over by " + (holder.describe() if holder else "nobody (its lease file is gone)")
+                if holder is not None and holder.token == self._superseded and self._expired(holder):
+                    self._reassert(holder)
+                elif holder is None or holder.token != self.me.token:
+                    self._lost = _taken_over(holder)
         if self._lost is not None:
             raise LeaseLost(f"{self.what}: this process ({self.me.describe()}) lost its lease: {self._lost}; it writes nothing more")
+
+    def _reassert(self, late: Holder) -> None:
+        """The holder this one took over from was frozen with a renewal in flight, which landed after the takeover. Its
+        content is past the expiry, so that holder's own clock has stopped it (`check`): it writes nothing more, and
+        this one takes its lease back the way it took it, by writing and reading back."""
+        wrote_at = _clock()
+        self._write()
+        time.sleep(self.settle_s)
+        back = self.read()
+        if back is None or back.token != self.me.token:
+            self._lost = _taken_over(back)
+        else:
+            self._renewed_at = wrote_at
+            print(f"lease {self.what}: a renewal of {late.describe()}, in flight when it froze, landed after this "
+                  "process took over; taken back", file=sys.stderr, flush=True)  # fmt: skip
 
     def release(self) -> None:
         self._stop.set()
@@ -209,6 +230,10 @@ class Lease:
             # What is leaving (a stop, a failure) says more than a lease file left to expire: it goes on, named.
             print(f"lease {self.what}: not released ({e}); it expires {self.expiry_s:g}s after its last renewal",
                   file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _taken_over(holder: Holder | None) -> str:
+    return "taken over by " + (holder.describe() if holder else "nobody (its lease file is gone)")
 
 
 def settled(store: ArtifactStore, rel: str, owner_dir: str, *, timeout_s: float = 600.0, poll_s: float = 5.0,

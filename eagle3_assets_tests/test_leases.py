@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from eagle3_assets.leases import Lease, LeaseHeld
+from eagle3_assets.leases import Lease, LeaseHeld, LeaseLost
 from eagle3_assets.storage import ArtifactStore
 
 from .helpers import REPO, Operator
@@ -82,10 +82,30 @@ def test_a_holder_frozen_past_the_expiry_is_taken_over_and_writes_nothing_after_
     assert "lost its lease: its last renewal was " in out and "it writes nothing more" in out
     # At most the one write that was past its check when the holder froze; nothing it began after waking.
     assert len(set(store.listdir("drafter/ticks")) - before) <= 1
+    taker.check(read=True)  # a renewal the holder had in flight when it froze may have landed since: taken back
     assert store.read_json("drafter/_LEASE.json")["run_id"] == "run-b"
-    taker.check()
     taker.release()
     assert not store.exists("drafter/_LEASE.json")
+
+
+def test_a_renewal_in_flight_when_the_holder_froze_lands_after_the_takeover_and_is_taken_back(tmp_path, capsys):
+    store = ArtifactStore(tmp_path / "store")
+    frozen = Lease(store, "drafter", "run-a", **FAST)
+    stale = {**frozen.me.__dict__, "renewed": time.time() - 3.0}  # built before it froze, 3s ago: past the expiry
+    store.write_json("drafter/_LEASE.json", stale)
+    taker = Lease(store, "drafter", "run-b", **FAST).acquire()
+    try:
+        store.write_json("drafter/_LEASE.json", stale)  # the frozen holder's write lands now
+        taker.check(read=True)
+        assert store.read_json("drafter/_LEASE.json")["run_id"] == "run-b"
+        assert "a renewal of host " in capsys.readouterr().err
+        # The same holder's lease, but fresh: it may still be writing, so the taker has lost.
+        store.write_json("drafter/_LEASE.json", {**stale, "renewed": time.time()})
+        with pytest.raises(LeaseLost, match=r"lost its lease: taken over by host .*, run run-a, since .*; it writes nothing more"):
+            taker.check(read=True)
+    finally:
+        taker.release()
+    assert store.read_json("drafter/_LEASE.json")["run_id"] == "run-a"  # a lost holder removes nothing
 
 
 @pytest.mark.slow  # the tiny graph, then two trainers at once
