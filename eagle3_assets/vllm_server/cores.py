@@ -6,8 +6,8 @@ HTTP server), so two engines on one host compute on the same core. Binding only 
 apart is not enough: each engine's other processes busy-poll their shared-memory queues, and
 measured with two servers on two cores, one server still fell to 1% of its alone rate while
 the other ran. So every engine we start (a phase's server, `--serve`, drafter_eval's engine)
-runs, all its processes, on cores of its own, and vLLM's auto binding picks its OpenMP cores
-among them (it reads the affinity).
+runs, all its processes, on cores of its own, and its OpenMP threads with them (vLLM's auto
+binding reads the affinity; a server's worker, in its engine core's process, inherits it).
 
 The cores are claimed in a registry every process on the host shares: a directory under the
 system temp dir with one claim file per engine. A claim is an exclusive `flock` on its file,

@@ -41,7 +41,7 @@ from eagle3_assets.vllm_server.client import (
     served_model,
 )
 from eagle3_assets.vllm_server.command import serve_args
-from eagle3_assets.vllm_server.cores import CoreClaim, engine_claim
+from eagle3_assets.vllm_server.cores import CoreClaim, cpu_build, engine_claim
 from eagle3_assets.vllm_server.protocol import Role, ServerPlan
 
 SERVER_LOG_FILE = "server.log"
@@ -273,8 +273,15 @@ def memory_hint(log_path: Path | None) -> str:
 
 
 def cpu_env(vllm: VllmSettings) -> dict[str, str]:
-    """The CPU build sizes its KV cache from the environment, not from a flag."""
-    return {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": str(vllm.cpu_kv_cache_gib)}
+    """What the CPU build reads from the environment, not from flags: its KV cache's size, and where its one worker
+    runs. On one device, vLLM 0.32's CPU build still starts a worker process beside the engine core's (its platform
+    forces the multiprocessing executor while VLLM_ENABLE_V1_MULTIPROCESSING is 1), a third interpreter that imports
+    torch and vLLM again: 12 s of every start on this project's 2-core machine (docs/DESIGN.md §6). With it 0, the
+    worker runs in the engine core's process, as on one GPU; the server still runs its core apart from the front end."""
+    env = {} if vllm.cpu_kv_cache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": str(vllm.cpu_kv_cache_gib)}
+    if cpu_build() and vllm.tensor_parallel_size == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
 
 
 def _remove_request_files(storage: Path) -> None:
