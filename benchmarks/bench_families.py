@@ -7,7 +7,7 @@ Reported per variant: optimizer steps, training CPU-seconds (this process, all t
 estimate at the best evaluation, the served mean acceptance length, and decode tokens/s over plain decoding measured
 in the same run (BENCHMARKS.md, `families`).
 
-    EAGLE3_ROOT=.eagle3 .venv/bin/python benchmarks/bench_families.py eagle3 dflash dflash-2layers
+    .venv/bin/python benchmarks/bench_families.py --store .eagle3 eagle3 dflash dflash-3layers
 """
 
 from __future__ import annotations
@@ -17,40 +17,59 @@ import json
 import resource
 import sys
 import time
+from dataclasses import fields, replace
 from typing import Any
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.evaluate import load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.family import DFlash, Eagle3, Family, mask_token_id
+from eagle3_assets.drafter.family import Family, family_of
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
-from eagle3_assets.settings import DFlashSettings, Settings, TrainingSettings, demo_settings
+from eagle3_assets.families import family_spec
+from eagle3_assets.settings import Settings, demo_settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VocabMap
 
-# name -> (family, training overrides, dflash overrides), each over the demo's settings
-VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "eagle3": ("eagle3", {}, {}),
-    "dflash": ("dflash", {}, {}),
-    "dflash-2layers": ("dflash", {}, {"num_layers": 2}),
-    "dflash-3x-steps": ("dflash", {"epochs": 48.0}, {}),
-    "dflash-32-anchors": ("dflash", {}, {"anchors_per_row": 32}),
+# name -> (family, overrides by settings section), each over the demo's settings; a family trains by its own recipe
+# (`Settings.training_of`): DFlash's lr, epochs and weight decay are its `dflash` section's.
+VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "eagle3": ("eagle3", {}),
+    "dflash": ("dflash", {}),
+    # The recipe DFlash had before its own (BENCHMARKS.md `families`): EAGLE-3's schedule, 1 layer, 16 anchors, decay 7
+    # over each slot's mean.
+    "dflash-eagle3-recipe": ("dflash", {"dflash": {
+        "num_layers": 1, "anchors_per_row": 16, "loss_decay": 7.0, "loss_normalization": "slot", "lr": 3e-3,
+        "epochs": 16.0, "weight_decay": 0.3,
+    }}),  # fmt: skip
+    "dflash-1layer": ("dflash", {"dflash": {"num_layers": 1}}),
+    "dflash-3layers": ("dflash", {"dflash": {"num_layers": 3}}),
+    "dflash-lr3e-3": ("dflash", {"dflash": {"lr": 3e-3}}),
+    "dflash-16-epochs": ("dflash", {"dflash": {"epochs": 16.0}}),
+    "dflash-16-anchors": ("dflash", {"dflash": {"anchors_per_row": 16}}),
+    "dflash-slot-mean": ("dflash", {"dflash": {"loss_normalization": "slot"}}),
 }
 
 
-def family_for(name: str, settings: Settings, target: TargetModel) -> tuple[Family, TrainingSettings]:
-    """The variant's family, writing under `bench/<name>/`, and its training settings."""
-    kind, training, dflash = VARIANTS[name]
-    train = TrainingSettings.model_validate(settings.training.model_dump() | training)
-    if kind == "eagle3":
-        return Eagle3(train, root=f"bench/{name}"), train
-    options = DFlashSettings.model_validate(settings.dflash.model_dump() | dflash)
-    return DFlash(train, options, mask_token_id(options, target), root=f"bench/{name}"), train
+def at_root(family: Family, root: str) -> Family:
+    """`family`, writing its outputs under `root` of the store instead of its spec's directory."""
+    cls = type(family)
+    moved = type(cls.__name__, (cls,), {"spec": replace(cls.spec, root=root)})
+    return moved(**{f.name: getattr(family, f.name) for f in fields(family)})
+
+
+def family_for(name: str, settings: Settings, target: TargetModel) -> Family:
+    """The variant's family, as it trains under the demo's settings with the variant's overrides, under
+    `bench/<name>/`."""
+    kind, overrides = VARIANTS[name]
+    data = settings.model_dump()
+    for section, values in overrides.items():
+        data[section] = data[section] | values
+    return at_root(family_of(family_spec(kind), Settings.model_validate(data), target), f"bench/{name}")
 
 
 def cpu_seconds() -> float:
@@ -71,12 +90,12 @@ def main(argv: list[str]) -> int:
     vmap = VocabMap.load(store)
     rows: dict[str, dict[str, Any]] = {}
     for name in args.variants:
-        family, training = family_for(name, settings, target)
+        family = family_for(name, settings, target)
         out = store.child(family.root)
         if out.exists("drafter"):  # a fresh run each time: nothing resumed
             out.remove("drafter", recursive=True)
         before, wall = cpu_seconds(), time.perf_counter()
-        result = train_drafter(store, keys, vmap=vmap, target=target, settings=training, family=family,
+        result = train_drafter(store, keys, vmap=vmap, target=target, settings=family.training, family=family,
                                log=lambda line: None)  # fmt: skip
         cpu, wall = cpu_seconds() - before, time.perf_counter() - wall
         best = result.best or {}

@@ -137,11 +137,13 @@ def _hidden_states(s: Settings) -> tuple[str, ...]:
 # quantization flag) is in its reads, so other features retrain it (issue 52, item 7), never only re-extract.
 def _drafter_reads(family: FamilySpec) -> Callable[[Settings], tuple[str, ...]]:
     """What `family`'s drafter is made from: the shards' reads, its own settings section, and the training
-    settings that shape what any family learns, less those only other families read."""
+    settings that shape what any family learns, less those only other families read and those its own section holds
+    in their stead (`FamilySpec.recipe_fields`)."""
 
     def reads(s: Settings) -> tuple[str, ...]:
         others = {f for spec in FAMILIES.values() if spec != family for f in spec.training_fields}
-        learnt = [f for f in TrainingSettings.model_fields if f not in TRAINING_HOW and f not in others]
+        apart = others | set(TRAINING_HOW) | set(family.recipe_fields)
+        learnt = [f for f in TrainingSettings.model_fields if f not in apart]
         own = () if family.settings_section == "training" else (family.settings_section,)
         return _hidden_states(s) + ("shard_size", *own) + tuple(f"training.{f}" for f in learnt)
 

@@ -63,6 +63,9 @@ class FamilySpec:
     settings_section: str  # the `Settings` section holding its own recipe (`training` for EAGLE-3's)
     # Fields of `training` only this family reads; each shapes its model or loss (a continuation must share them).
     training_fields: tuple[str, ...] = ()
+    # Fields of `training` this family takes from its own section instead, by the same name: its schedule, where the
+    # shared one was tuned for another family (`Settings.training_of`). Neither read nor recorded from `training`.
+    recipe_fields: tuple[str, ...] = ()
     # drafter_eval scores acc_k by token class through this family's training objective (EAGLE-3's TTT unroll).
     token_classes: bool = False
     target_architectures: frozenset[str] = EAGLE3_TARGETS  # HF architectures vLLM serves it beside
@@ -71,12 +74,12 @@ class FamilySpec:
 TRAINER_POOL = "trainer"
 
 
-def by_rule(name: str, description: str) -> FamilySpec:
+def by_rule(name: str, description: str, recipe_fields: tuple[str, ...] = ()) -> FamilySpec:
     """A family named after the rule for every family but EAGLE-3: `<asset>_<name>`, `families/<name>/`."""
     return FamilySpec(
         name=name, description=description, root=f"families/{name}", drafter_asset=f"drafter_{name}",
         eval_asset=f"drafter_eval_{name}", trainer_pool=f"{TRAINER_POOL}_{name}", vllm_method=name,
-        settings_section=name,
+        settings_section=name, recipe_fields=recipe_fields,
     )  # fmt: skip
 
 
@@ -92,8 +95,11 @@ EAGLE3 = FamilySpec(
     training_fields=("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output"),
     token_classes=True,
 )
+# DFlash's schedule is its own (`dflash_settings.py`): EAGLE-3's (the demo's lr 3e-3, 16 epochs, weight decay 0.3)
+# was never tuned for it, and the references train it otherwise.
 DFLASH = by_rule(
-    "dflash", "The DFlash block draft model (drafts a whole block per forward, non-causal over mask slots)"
+    "dflash", "The DFlash block draft model (drafts a whole block per forward, non-causal over mask slots)",
+    recipe_fields=("lr", "epochs", "weight_decay"),
 )
 
 # Every family, by name, in the order errors and `--family` list them.

@@ -16,9 +16,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3_assets.architectures import ARCHITECTURES
+from eagle3_assets.dflash_settings import DFlashSettings
 from eagle3_assets.errors import Refusal
 from eagle3_assets.evaluation_settings import EvaluationSettings
-from eagle3_assets.families import DFLASH, EAGLE3, family_names, family_spec
+from eagle3_assets.families import DFLASH, EAGLE3, FamilySpec, family_names, family_spec
 from eagle3_assets.start_from import StartFromSettings
 from eagle3_assets.storage_dtypes import StorageDtype
 from eagle3_assets.traffic_settings import TrafficSettings
@@ -305,26 +306,6 @@ class TrainingSettings(_Section):
         return self
 
 
-class DFlashSettings(_Section):
-    """The DFlash block drafter (`drafters: [..., dflash]`), trained from the same shards as EAGLE-3. The training
-    settings (`training`) hold for it too, except the EAGLE-3 recipe: ttt_steps, step_weight and the norm options."""
-
-    block_size: int = Field(
-        7, ge=1, description="mask slots per block: the tokens it drafts per target forward, at most the speculative "
-        "tokens it is served with (drafter_eval serves 3 and 7, so at least 7)",
-    )  # fmt: skip
-    num_layers: int = Field(1, ge=1, description="draft layers, each shaped like one of the target's")
-    anchors_per_row: int = Field(16, ge=1, description="blocks drawn per training row, at trained answer positions")
-    loss_decay: float = Field(7.0, gt=0.0, description="block slot k (0-based) is weighted exp(-k / loss_decay)")
-    mask_token_id: int | None = Field(
-        None, ge=0, description="the id the mask slots carry (its embedding is trained and shipped); None = the "
-        "target tokenizer's pad token",
-    )  # fmt: skip
-    aux_layer_ids: list[int] | None = Field(
-        None, description="the stored aux layers its context reads (a subset of aux_layer_ids); None = all of them"
-    )
-
-
 class VllmSettings(_Section):
     """Engine settings passed through to vLLM when a backend is `vllm` (generation or extraction)."""
 
@@ -515,6 +496,11 @@ class Settings(_Section):
             )
         if d.block_size + 2 > self.max_seq_len:
             raise ValueError(f"dflash.block_size: {d.block_size} does not fit a row of max_seq_len {self.max_seq_len}")
+        if self.training.rolling and "epochs" in d.model_fields_set and d.epochs != 1.0:
+            raise ValueError(
+                f"dflash.epochs: {d.epochs} in rolling mode, where each shard is deleted once trained; a second epoch "
+                "would extract every shard again. Set dflash.epochs: 1 (or leave it out), or training.mode: offline"
+            )
         if d.aux_layer_ids is not None and self.aux_layer_ids is not None:
             if missing := [i for i in d.aux_layer_ids if i not in self.aux_layer_ids]:
                 raise ValueError(
@@ -536,6 +522,15 @@ class Settings(_Section):
                 "or in mode: offline"
             )
         return self
+
+    def training_of(self, family: FamilySpec) -> TrainingSettings:
+        """The training settings `family` trains by: `training`, less the fields its own section holds in their stead
+        (`FamilySpec.recipe_fields`); in rolling mode every family passes each shard once, whatever its epochs."""
+        fields = [f for f in family.recipe_fields if not (f == "epochs" and self.training.rolling)]
+        if not fields:
+            return self.training
+        section = getattr(self, family.settings_section)
+        return self.training.model_copy(update={f: getattr(section, f) for f in fields})
 
     @property
     def is_demo(self) -> bool:
@@ -608,6 +603,9 @@ def demo_settings(architecture: str = "llama") -> Settings:
         # an MLA target EAGLE-3 alone: DFlash's drafter attends as Qwen3 does, and vLLM's CPU build without AMX shares
         # no KV block size between that and MLA (docs/DESIGN.md §6).
         drafters=[EAGLE3.name] if ARCHITECTURES[architecture].attention == "mla" else [EAGLE3.name, DFLASH.name],
+        # DFlash by its own recipe (`dflash_settings.py`), with fewer layers than the references' 5: what the demo's
+        # CPU budget allows (BENCHMARKS.md `dflash recipe`).
+        dflash=DFlashSettings(num_layers=2),
         demo=demo,
     )
 

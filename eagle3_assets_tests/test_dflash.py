@@ -190,7 +190,8 @@ def train_dflash(served_target) -> tuple[DFlashDrafter, Path]:
     target_dir, _, _, store, keys, vmap = served_target
     settings = TrainingSettings(lr=1e-2, warmup_steps=5, epochs=60.0, batch_tokens=256, checkpoint_every=1000,
                                 heldout_rows=0)  # fmt: skip
-    family = DFlash(settings, DFlashSettings(block_size=K, anchors_per_row=8), mask_token_id=0)
+    # Two layers, the demo's: vLLM must load and run every `layers.N.*` as trained, not the first alone.
+    family = DFlash(settings, DFlashSettings(block_size=K, anchors_per_row=8, num_layers=2), mask_token_id=0)
     result = train_drafter(store, keys, vmap=vmap, target=target_of(target_dir), settings=settings, family=family,
                            log=lambda _: None)  # fmt: skip
     assert result.finished and result.model.config.block_size == K

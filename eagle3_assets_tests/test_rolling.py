@@ -54,7 +54,7 @@ ROLLING = TrainingSettings(
     mode="rolling", window_shards=2, ttt_steps=3, lr=3e-3, warmup_steps=2, batch_tokens=24, checkpoint_every=3,
     heldout_rows=2, seed=0, sample_ledger=True,
 )  # fmt: skip
-DFLASH = DFlashSettings(block_size=3, anchors_per_row=4)  # the second family, as small as the first
+DFLASH = DFlashSettings(block_size=3, anchors_per_row=4, num_layers=1)  # the second family, as small as the first
 FAMILIES = ("eagle3", "dflash")
 
 

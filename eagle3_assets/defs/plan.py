@@ -294,7 +294,8 @@ class Planner:
         return Cost(rows=rows, seconds=seconds, basis=f"of {len(prompts):,} prompts; {basis}")
 
     def _drafter_cost(self, key: AssetKey) -> Cost:
-        training = self.project.settings.training
+        family = FAMILY_OF[key.to_user_string()]
+        training = self.project.settings.training_of(family)  # its own schedule, where its section holds one
         latest = self.past.records(key, limit=1)
         meta = latest[0].asset_materialization.metadata if latest else {}
         per_step = None
@@ -304,7 +305,11 @@ class Planner:
             steps, how = training.steps, "training.steps"
         elif "total_steps" in meta:
             then = meta["provenance"].value.get("settings", {}) if "provenance" in meta else {}
-            scale = (training.epochs / float(then.get("training.epochs", training.epochs))) * (
+            # A family's own epochs are recorded within its section's value (`artifacts._drafter_reads`); rolling
+            # mode passes each shard once, whatever they say (`Settings.training_of`).
+            own = family.settings_section if "epochs" in family.recipe_fields and not training.rolling else None
+            then_epochs = (then.get(own) or {}).get("epochs") if own else then.get("training.epochs")
+            scale = (training.epochs / float(then_epochs or training.epochs)) * (
                 float(then.get("training.batch_tokens", training.batch_tokens)) / training.batch_tokens
             )
             steps = max(1, round(int(meta["total_steps"].value) * scale))

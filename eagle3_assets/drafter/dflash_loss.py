@@ -7,8 +7,10 @@ when token t+2+k exists, is trained (`loss_positions`) and the target's top-1 is
 functions, and a block's run is its count of leading correct slots, as vLLM accepts them.
 
 Anchors are the indices where slot 1 is trained (`trained_positions` of step 0), `anchors_per_row` of them drawn
-without replacement per row from `generator`, or all of them when it is None (evaluation). Slot k's loss weight
-is exp(-k / loss_decay): the later slots, accepted only after every earlier one, count less.
+without replacement per row from `generator` (a row with fewer takes every one), or all of them when it is None
+(evaluation). Slot k's loss weight is exp(-k / loss_decay): the later slots, accepted only after every earlier one,
+count less. Normalized per token (`slot_weights`, the reference's form), the loss is that weighted mean over every
+scored slot of every block, so a slot scored at fewer positions (past the end of short answers) weighs less too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from eagle3_assets.drafter.acceptance import chain_runs
 from eagle3_assets.drafter.dflash_model import DFlashDrafter
 from eagle3_assets.drafter.target_head import Targets
 from eagle3_assets.drafter.ttt import Loss, LossPositions, StepScores, TTTOutput, trained_positions
+from eagle3_assets.dflash_settings import LossNormalization
 
 
 def decay_weight(loss_decay: float) -> float:
@@ -29,15 +32,28 @@ def decay_weight(loss_decay: float) -> float:
     return math.exp(-1.0 / loss_decay)
 
 
+def slot_weights(positions: torch.Tensor, loss_decay: float, normalization: LossNormalization) -> torch.Tensor:
+    """float64 [K]: the coefficient of each slot's mean loss in the block loss, `positions` [K] the positions each
+    mean is over. "slot": exp(-k / loss_decay). "token": the same times the slot's positions, over the weighted
+    total, so the block loss is the weighted mean over every scored token (slot 1's share of it: coefficient 0)."""
+    decay = torch.tensor([decay_weight(loss_decay) ** k for k in range(len(positions))], dtype=torch.float64)
+    if normalization == "slot":
+        return decay
+    weighted = decay * positions.detach().double().cpu()
+    return weighted / weighted.sum().clamp(min=1e-12)
+
+
 def choose_anchors(starts: torch.Tensor, per_row: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Anchor indices [B, N], ascending, -1 where a row has fewer than N: `per_row` of the True indices of
-    `starts` [B, T] drawn uniformly without replacement, or every one of them when `per_row` is None."""
+    `starts` [B, T] drawn uniformly without replacement (all of a row's when it has no more), or every one of them
+    when `per_row` is None."""
     B, T = starts.shape
+    most = max(int(starts.sum(1).max()), 1)  # no row needs more columns: the rest would be padding blocks
     if per_row is None:
-        n = max(int(starts.sum(1).max()), 1)
+        n = most
         scores = starts.float()
     else:
-        n = per_row
+        n = min(per_row, most)
         scores = torch.rand(B, T, generator=generator).to(starts.device)
         scores = torch.where(starts, scores, -1.0)
     n = min(n, T)
@@ -57,6 +73,7 @@ def dflash_forward(
     *,
     loss_decay: float,
     anchors_per_row: int | None,
+    normalization: LossNormalization = "token",
     generator: torch.Generator | None = None,
     loss: Loss = "soft_ce",
     loss_positions: LossPositions = "predicted",
@@ -76,4 +93,8 @@ def dflash_forward(
         scores.add(k, logits, index, trained[k].gather(1, index) & real)  # logits [B, N, Vd] per slot
         for k, logits in enumerate(model(input_ids, aux, anchors, positions, segments))
     ]
-    return scores.output(chain_runs(torch.stack(hits), trained[0].gather(1, index) & real))
+    out = scores.output(chain_runs(torch.stack(hits), trained[0].gather(1, index) & real))
+    if normalization != "slot":  # StepScores sums exp(-k / loss_decay) x each slot's mean: "slot" as it is
+        weights = slot_weights(out.averaged_over, loss_decay, normalization)
+        out.loss = (out.step_terms * weights.to(out.step_terms)).sum()
+    return out

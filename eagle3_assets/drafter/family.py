@@ -25,7 +25,7 @@ from torch import nn
 
 from eagle3_assets.drafter.data import Batch
 from eagle3_assets.drafter.dflash_export import MASK_EMBEDDING_FILE, export_dflash
-from eagle3_assets.drafter.dflash_loss import decay_weight, dflash_forward
+from eagle3_assets.drafter.dflash_loss import dflash_forward, slot_weights
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.export import export_drafter
@@ -44,7 +44,12 @@ class Family(Protocol):
     name: str  # `spec.name`
     root: str  # `spec.root`: the store directory of its outputs ("" = the store's top)
     steps: int  # drafted positions scored per prediction point: acc_0 .. acc_{steps-1}
-    step_weight: float  # the loss weight of position k is step_weight**k
+    training: TrainingSettings  # the training settings it trains by: the shared ones, its own recipe over them
+
+    def loss_weights(self, positions: torch.Tensor) -> torch.Tensor:
+        """float64 [steps]: the coefficient of each drafted position's mean loss in the loss, `positions` [steps] the
+        positions each mean is over (all ranks'): how a loss over several batches or ranks is put together."""
+        ...
 
     def build(self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int],
               seed: int, intermediate_size: int | None) -> nn.Module: ...  # fmt: skip
@@ -110,8 +115,11 @@ class Eagle3(_Specified):
         return self.settings.ttt_steps
 
     @property
-    def step_weight(self) -> float:
-        return self.settings.step_weight
+    def training(self) -> TrainingSettings:
+        return self.settings
+
+    def loss_weights(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self.settings.step_weight**k for k in range(len(positions))], dtype=torch.float64)
 
     def build(
         self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int], seed: int,
@@ -158,7 +166,7 @@ class Eagle3(_Specified):
 @dataclass
 class DFlash(_Specified):
     spec: ClassVar[FamilySpec] = DFLASH
-    training: TrainingSettings
+    training: TrainingSettings  # `Settings.training_of(DFLASH)`: its own schedule over the shared settings
     dflash: DFlashSettings
     mask_token_id: int
     # Which stored aux columns the context reads: set by `build`, once the shards' layers are known.
@@ -168,9 +176,8 @@ class DFlash(_Specified):
     def steps(self) -> int:
         return self.dflash.block_size
 
-    @property
-    def step_weight(self) -> float:
-        return decay_weight(self.dflash.loss_decay)
+    def loss_weights(self, positions: torch.Tensor) -> torch.Tensor:
+        return slot_weights(positions, self.dflash.loss_decay, self.dflash.loss_normalization)
 
     def build(
         self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int], seed: int,
@@ -195,8 +202,8 @@ class DFlash(_Specified):
         return dflash_forward(
             model, batch.input_ids, batch.aux.index_select(-1, self._columns.to(batch.aux.device)), batch.loss_mask,
             batch.lengths, targets, loss_decay=d.loss_decay, anchors_per_row=None if step is None else d.anchors_per_row,
-            generator=gen, loss=s.loss, loss_positions=s.loss_positions, positions=batch.positions,
-            segments=batch.segments,
+            normalization=d.loss_normalization, generator=gen, loss=s.loss, loss_positions=s.loss_positions,
+            positions=batch.positions, segments=batch.segments,
         )  # fmt: skip
 
     def aux_layer_ids(self, stored: Sequence[int]) -> list[int]:
@@ -272,7 +279,7 @@ def mask_token_id(settings: DFlashSettings, target: TargetModel) -> int:
 # Each family's trainer under the settings, by its spec's name: one line per family.
 TRAINERS: dict[str, Callable[[Settings, TargetModel], Family]] = {
     EAGLE3.name: lambda s, _: Eagle3(s.training),
-    DFLASH.name: lambda s, target: DFlash(s.training, s.dflash, mask_token_id(s.dflash, target)),
+    DFLASH.name: lambda s, target: DFlash(s.training_of(DFLASH), s.dflash, mask_token_id(s.dflash, target)),
 }
 
 

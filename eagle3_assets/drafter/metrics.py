@@ -3,6 +3,7 @@ acceptance length they estimate (`acceptance.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,9 @@ import torch
 from eagle3_assets.drafter.acceptance import acceptance_estimates
 from eagle3_assets.drafter.distributed import all_reduce_sum
 from eagle3_assets.drafter.ttt import TTTOutput
+
+# float64 [K]: the K positions' mean losses' coefficients, from the positions each is over (`Family.loss_weights`).
+LossWeights = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -48,9 +52,15 @@ class StepCounts:
         loss_sum, positions, correct, kept, runs = packed.split([k, k, k, k, k + 1])
         return StepCounts(loss_sum, positions, correct.long(), kept.long(), runs.long())
 
-    def metrics(self, step_weight: float, prefix: str = "") -> dict[str, float]:
+    def metrics(self, loss_weights: LossWeights | float, prefix: str = "") -> dict[str, float]:
+        """loss, loss_k, acc_k and the acceptance estimates; the loss combines the loss_k by the family's
+        `loss_weights` of the positions counted (a float w: w**k, EAGLE-3's step weights)."""
         losses = self.loss_sum / self.positions.clamp(min=1)
-        m = {f"{prefix}loss": float(sum(step_weight**k * losses[k] for k in range(len(losses))))}
+        if callable(loss_weights):
+            w = loss_weights(self.positions)
+            m = {f"{prefix}loss": float(sum(w[k] * losses[k] for k in range(len(losses))))}
+        else:
+            m = {f"{prefix}loss": float(sum(loss_weights**k * losses[k] for k in range(len(losses))))}
         for k in range(len(losses)):
             m[f"{prefix}loss_{k}"] = float(losses[k])
             m[f"{prefix}acc_{k}"] = float(self.correct[k]) / max(int(self.kept[k]), 1)

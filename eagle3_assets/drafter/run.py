@@ -78,7 +78,7 @@ def train_and_export(
     if not plan.continues and main:
         log(f"drafter: training from scratch: {plan.reason}")
     result = train_drafter(
-        store, shard_keys, vmap=vmap, target=target, settings=settings.training,
+        store, shard_keys, vmap=vmap, target=target, settings=trained.training,
         on_metrics=on_metrics, on_eval=on_eval, log=log, max_steps=max_steps, inputs=inputs, other_run="fresh",
         family=trained, continuation=plan if plan.continues else None, window_families=settings.drafters,
     )  # fmt: skip

@@ -154,7 +154,7 @@ def evaluate(
             out = family.objective(model, b, targets, None)
         counts.add(out)
     model.train()
-    return counts.all_reduce().metrics(family.step_weight)
+    return counts.all_reduce().metrics(family.loss_weights)
 
 
 def objective(s: TrainingSettings) -> Callable[..., TTTOutput]:
@@ -258,7 +258,7 @@ class _Run:
         self.scheduler.step()
         counts = StepCounts.zeros(self.family.steps)
         counts.add(out)
-        metrics = counts.all_reduce().metrics(self.family.step_weight)
+        metrics = counts.all_reduce().metrics(self.family.loss_weights)
         metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=tokens)
         return metrics
 
@@ -269,9 +269,9 @@ class _Run:
         if self.env.world_size == 1:
             return out.loss
         n = out.averaged_over.double().cpu()
-        share = n * self.env.world_size / all_reduce_sum(n).clamp(min=1)
-        w = torch.tensor([self.family.step_weight**k for k in range(len(n))], dtype=torch.float64)
-        return (out.step_terms * (share * w).to(out.step_terms)).sum()
+        total = all_reduce_sum(n)
+        share = n * self.env.world_size / total.clamp(min=1)
+        return (out.step_terms * (share * self.family.loss_weights(total)).to(out.step_terms)).sum()
 
     def _stop_non_finite(self, step: int, batch: Batch, what: str) -> None:
         files = ", ".join(self.store.url_of(ref.rel) for ref in batch.samples)
