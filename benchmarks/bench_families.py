@@ -22,9 +22,11 @@ from typing import Any
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
+from eagle3_assets.drafter.checkpoint import latest_checkpoint, read_checkpoint_state
 from eagle3_assets.drafter.evaluate import load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import Family, family_of
+from eagle3_assets.drafter.selection import best_index
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
@@ -52,6 +54,8 @@ VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
     "dflash-16-epochs": ("dflash", {"dflash": {"epochs": 16.0}}),
     "dflash-16-anchors": ("dflash", {"dflash": {"anchors_per_row": 16}}),
     "dflash-slot-mean": ("dflash", {"dflash": {"loss_normalization": "slot"}}),
+    "dflash-weight-decay": ("dflash", {"dflash": {"weight_decay": 0.3}}),
+    "dflash-16-epochs-3layers": ("dflash", {"dflash": {"epochs": 16.0, "num_layers": 3}}),
 }
 
 
@@ -72,6 +76,18 @@ def family_for(name: str, settings: Settings, target: TargetModel) -> Family:
     return at_root(family_of(family_spec(kind), Settings.model_validate(data), target), f"bench/{name}")
 
 
+def trained_before(family: Family, out: ArtifactStore) -> dict[str, Any]:
+    """A variant's row from the export and last checkpoint an earlier run left (no training CPU-seconds)."""
+    saved = read_checkpoint_state(out, latest_checkpoint(out))
+    evals = list(saved.state.get("evals") or [])
+    best = evals[best_index(evals)] if evals else {}
+    return {
+        "family": family.name, "steps": saved.step, "train_cpu_s": None, "train_wall_s": None,
+        "estimate_k3": round(best.get("accept_len_k3", 0.0), 3), "estimate_k7": round(best.get("accept_len_k7", 0.0), 3),
+        "export": out.local_path(EXPORT_DIR),
+    }  # fmt: skip
+
+
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -81,6 +97,10 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="*", default=["eagle3", "dflash"], choices=sorted(VARIANTS))
     ap.add_argument("--store", default=".eagle3", help="the demo's store ($EAGLE3_ROOT)")
+    ap.add_argument(
+        "--reuse", action="store_true", help="serve a variant's export a previous run left (bench/<name>/drafter/export) "
+        "instead of training it again; its steps and estimate are read from its last checkpoint",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     settings = demo_settings()
     store = ArtifactStore(args.store)
@@ -92,6 +112,9 @@ def main(argv: list[str]) -> int:
     for name in args.variants:
         family = family_for(name, settings, target)
         out = store.child(family.root)
+        if args.reuse and out.exists(EXPORT_DIR):
+            rows[name] = trained_before(family, out)
+            continue
         if out.exists("drafter"):  # a fresh run each time: nothing resumed
             out.remove("drafter", recursive=True)
         before, wall = cpu_seconds(), time.perf_counter()
