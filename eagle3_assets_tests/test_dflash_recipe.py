@@ -87,23 +87,24 @@ def test_on_short_rows_every_answer_position_is_slot_1s_target_once_per_epoch():
 def test_eagle3s_recipe_is_exactly_what_it_was():
     """EAGLE-3 reads `training` itself, by the values it had before DFlash had a recipe of its own, here and in the
     demo; its loss weights are step_weight**k."""
-    for settings, recipe in [
-        (Settings(), {"lr": 1e-4, "epochs": 2.0, "weight_decay": 0.0, "warmup_steps": 100, "batch_tokens": 8192}),
-        (demo_settings(), {"lr": 3e-3, "epochs": 16.0, "weight_decay": 0.3, "warmup_steps": 20, "batch_tokens": 2048}),
-    ]:
+    for settings, recipe, dflash_epochs in [
+        (Settings(), {"lr": 1e-4, "epochs": 2.0, "weight_decay": 0.0, "warmup_steps": 100, "batch_tokens": 8192}, 6.0),
+        (demo_settings(), {"lr": 3e-3, "epochs": 16.0, "weight_decay": 0.3, "warmup_steps": 20, "batch_tokens": 2048},
+         16.0),
+    ]:  # fmt: skip
         eagle3 = settings.training_of(EAGLE3)
         assert eagle3 is settings.training
         assert {k: getattr(eagle3, k) for k in recipe} == recipe
         assert (eagle3.ttt_steps, eagle3.step_weight, eagle3.steps, eagle3.loss) == (7, 0.8, None, "soft_ce")
         # DFlash: the same, but for its own schedule.
         dflash = settings.training_of(DFLASH)
-        assert dflash.model_dump() == eagle3.model_dump() | {"lr": 6e-4, "epochs": 6.0, "weight_decay": 0.0}
+        assert dflash.model_dump() == eagle3.model_dump() | {"lr": 6e-4, "epochs": dflash_epochs, "weight_decay": 0.0}
     assert EAGLE3.recipe_fields == () and DFLASH.recipe_fields == ("lr", "epochs", "weight_decay")
     weights = Eagle3(TrainingSettings()).loss_weights(torch.tensor([5.0, 3.0, 1.0]))
     assert weights.tolist() == [1.0, 0.8, 0.8**2] and weights.dtype == torch.float64
-    # The demo's DFlash: the references' recipe, 2 layers (its CPU budget).
+    # The demo's DFlash: the references' recipe but 2 layers and 16 epochs (BENCHMARKS.md `dflash recipe`).
     d = demo_settings().dflash
-    assert (d.num_layers, d.anchors_per_row, d.loss_decay, d.loss_normalization) == (2, 512, 4.0, "token")
+    assert (d.num_layers, d.epochs, d.anchors_per_row, d.loss_decay, d.loss_normalization) == (2, 16.0, 512, 4.0, "token")
 
 
 def test_rolling_mode_trains_dflash_once_over_each_shard_and_refuses_other_epochs():
