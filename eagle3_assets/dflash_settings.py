@@ -2,8 +2,8 @@
 
 Kept out of `settings.py` (one field there names this section): a family's section is its own file, as its model, loss
 and export are. The defaults are the reference DFlash recipe (z-lab's DFlash and the peers that train it: 5 draft
-layers, 512 anchors a row, loss decay 4 normalized per token, lr 6e-4, 6 epochs, no weight decay); the demo sets what
-its CPU budget allows (`settings.demo_settings`, BENCHMARKS.md `dflash recipe`).
+layers, 512 anchors a row, loss decay 4 normalized per token, lr 6e-4, 6 epochs, no weight decay); the demo trains 2
+layers for 16 epochs, as measured by served acceptance (`settings.demo_settings`, BENCHMARKS.md `dflash recipe`).
 """
 
 from __future__ import annotations
