@@ -53,10 +53,11 @@ def init_distributed(env: DistEnv, device: torch.device, *, timeout_s: float = 6
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """`t` summed over ranks (itself outside a process group), on the CPU."""
+    """`t` summed over ranks (itself outside a process group), on the CPU; `t` is left as it is (a copy is reduced:
+    `.to` the device it is on already would hand back `t` itself, and gloo would sum into the caller's tensor)."""
     if not (dist.is_available() and dist.is_initialized()):
         return t
-    packed = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    packed = t.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
     dist.all_reduce(packed)
     return packed.cpu()
 
