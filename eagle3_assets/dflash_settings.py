@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from eagle3_assets.section import Section
+
 
 # How slot k's mean loss enters the block loss (`dflash_loss.slot_weights`).
 LossNormalization = Literal["token", "slot"]
 
 
-class DFlashSettings(BaseModel):
+class DFlashSettings(Section):
     """The DFlash block drafter (`drafters: [..., dflash]`), trained from the same shards as EAGLE-3. The training
     settings (`training`) hold for it too, except EAGLE-3's recipe (ttt_steps, step_weight and the norm options) and the
     schedule fields this section holds in their stead (`FamilySpec.recipe_fields`: lr, epochs, weight_decay)."""
-
-    # The same rules as every other section (`settings._Section`), repeated here: that module imports this one.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     block_size: int = Field(
         7, ge=1, description="mask slots per block: the tokens it drafts per target forward, at most the speculative "

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from eagle3_assets.section import Section
 
 
-class EvaluationSettings(BaseModel):
+class EvaluationSettings(Section):
     """`drafter_eval`: five vLLM passes over the held-out prompts (plain, then k=3 and k=7, features kept and zeroed),
     and two more (k=3, k=7) for each drafter served beside ours (the released one, the reference)."""
-
-    # The same rules as every other section (`settings._Section`), repeated here: that module imports this one.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_new_tokens: int | None = Field(
         None, ge=1, description="tokens decoded per held-out prompt in each pass; None = generation.max_new_tokens"

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from eagle3_assets.section import Section
 
 
-class StartFromSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+class StartFromSettings(Section):
+    """The published drafter the first release is imported from, and what the import keeps of it."""
 
     drafter: str = Field(
         ...,

@@ -6,14 +6,13 @@ Kept out of `settings.py` (one field there names this section). Unset, the graph
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from eagle3_assets.section import Section
 
 
-class TrafficSettings(BaseModel):
+class TrafficSettings(Section):
     """Where the request log is, how much of it is held out, and whose logged replies may stand for generation."""
-
-    # The same rules as every other section (`settings._Section`), repeated here: that module imports this one.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     log: str = Field(
         description="the request log: one JSONL file, a directory of them or a glob (local or fsspec URL; .gz read "

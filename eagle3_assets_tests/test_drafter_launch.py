@@ -24,7 +24,8 @@ from eagle3_assets.drafter.launch import (
 )
 from eagle3_assets.processes import process_alive
 from eagle3_assets.vllm_server.client import free_port
-from eagle3_assets.settings import LaunchSettings, SettingsError, parse_settings
+from eagle3_assets.settings import SettingsError, parse_settings
+from eagle3_assets.training_settings import LaunchSettings
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from eagle3_assets.drafter.checkpoint import list_checkpoints
 from eagle3_assets.project import DEMO_MODEL_DIR, DEMO_MODEL_SETTINGS, Project
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, PROMPTS_FILE, parse_prompts
 from eagle3_assets.responses import read_responses
-from eagle3_assets.settings import LaunchSettings, TrainingSettings
+from eagle3_assets.training_settings import LaunchSettings, TrainingSettings
 from eagle3_assets.shard_window import read_consumed
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.tokenized import TokenizedSet

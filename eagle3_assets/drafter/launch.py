@@ -20,7 +20,7 @@ import torch
 
 from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_checkpoint_state
 from eagle3_assets.drafter.errors import TrainingError
-from eagle3_assets.settings import LaunchSettings
+from eagle3_assets.training_settings import LaunchSettings
 from eagle3_assets.storage import ArtifactStore
 
 # A rank's exit status when it refused to train (settings, inputs, a checkpoint of another run):
