@@ -34,13 +34,8 @@ from eagle3_assets.drafter.checkpoint import (
 from eagle3_assets.drafter.launch import LaunchRefused, refuse_another_world_size
 from eagle3_assets.drafter.run import export_choice
 from eagle3_assets.drafter.selection import BEST_DIR
-from eagle3_assets.drafter.train import (
-    NonFiniteLossError,
-    TrainingError,
-    short_run_warning,
-    train_drafter,
-    warmup_cosine,
-)
+from eagle3_assets.drafter.schedule import short_run_warning, warmup_cosine
+from eagle3_assets.drafter.train import NonFiniteLossError, TrainingError, train_drafter
 from eagle3_assets.sample_file import read_header
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore

@@ -15,7 +15,6 @@ written with non-finite weights.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,15 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3_assets.crash_points import crash_point
-from eagle3_assets.drafter.checkpoint import (
-    CHECKPOINTS_DIR,
-    CheckpointError,
-    checkpoint_rel,
-    latest_checkpoint,
-    load_checkpoint,
-    read_checkpoint_state,
-    save_checkpoint,
-)
+from eagle3_assets.drafter.checkpoint import checkpoint_rel, read_checkpoint_state, save_checkpoint
 from eagle3_assets.drafter.continuation import ContinuationPlan
 from eagle3_assets.drafter.data import (
     Batch,
@@ -56,15 +47,13 @@ from eagle3_assets.drafter.distributed import (
 )
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.family import Eagle3, Family
-from eagle3_assets.drafter.fingerprint import (
-    differences,
-    run_fingerprint,
-    with_settings_added_later,
-)
+from eagle3_assets.drafter.fingerprint import run_fingerprint
 from eagle3_assets.drafter.metrics import StepCounts, heldout_line
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_DIR, export_digest
+from eagle3_assets.drafter.resume import resume_from_checkpoint
 from eagle3_assets.drafter.rolling import RollingLoader, ShardWindow
+from eagle3_assets.drafter.schedule import short_run_warning, warmup_cosine
 from eagle3_assets.drafter.selection import (
     Evaluation,
     best_index,
@@ -101,32 +90,7 @@ class NonFiniteLossError(TrainingError):
     """A training step's loss or gradient is NaN or infinite; the message names the step and the batch's files."""
 
 
-# -- model and schedule -----------------------------------------------------------
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """LR factor: linear warmup to 1 over `warmup_steps`, then cosine to 0 at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-    return factor
-
-
-def short_run_warning(settings: TrainingSettings, total_steps: int) -> str | None:
-    """A warning when warmup takes a quarter of the run or more: the defaults are for long runs, and at a few
-    hundred steps the learning rate would peak late or never."""
-    if settings.warmup_steps * 4 < total_steps:
-        return None
-    return (
-        f"drafter: warmup_steps {settings.warmup_steps} is {settings.warmup_steps / total_steps:.0%} of this run's "
-        f"{total_steps} steps: lr {settings.lr:g} is reached late or never. For a run this short set "
-        f"training.warmup_steps to about {max(1, total_steps // 20)} and training.lr as README.md's table "
-        "'Optimizer settings by run length' says"
-    )
+# -- model ------------------------------------------------------------------------
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -479,60 +443,6 @@ def _prepare(
     )  # fmt: skip
 
 
-def _resume(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPosition, str, dict[str, float]]:
-    """(step, next data position, checkpoint, its last metrics) restored from the newest checkpoint.
-
-    A checkpoint of another run (other data, another recipe) is never resumed: `other_run="refuse"` fails
-    naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0. A rolling pass that starts
-    at step 0 clears the window records of the shards it trains (another run's: `ShardWindow.start_over`), so the
-    window admits them again and the released ones are extracted again."""
-    if run.env.is_main:  # a checkpoint write a kill left: finished (after its intent) or removed, before any rank looks
-        run.out.remove_temporaries(CHECKPOINTS_DIR)
-    barrier()
-    rel = latest_checkpoint(run.out)
-    if rel is None:
-        if run.window is not None:
-            run.window.start_over()
-        return 0, DataPosition(), "", {}
-    saved = read_checkpoint_state(run.out, rel)
-    if diffs := differences(with_settings_added_later(saved.run), run.fingerprint):
-        where = run.out.url_of(CHECKPOINTS_DIR)
-        if other_run == "fresh":
-            barrier()  # every rank has read the checkpoint's state before rank 0 removes it
-            if run.env.is_main:
-                log(f"drafter: not resuming {run.out.url_of(rel)}, made by another run ({'; '.join(diffs)}); "
-                    f"removing {where} and starting fresh")  # fmt: skip
-                run.out.remove(CHECKPOINTS_DIR, recursive=True)
-            barrier()
-            if run.window is not None:
-                run.window.start_over()
-            return 0, DataPosition(), "", {}
-        raise CheckpointError(
-            f"{run.out.url_of(rel)} belongs to a different run ({'; '.join(diffs)}); "
-            f"remove {where} (or pass resume=False) to start over"
-        )  # fmt: skip
-    ck = load_checkpoint(
-        run.out, rel, model=run.model, optimizer=run.optimizer, param_names=run.param_names, scheduler=run.scheduler
-    )
-    pos = DataPosition(*ck.next_position)
-    if run.env.is_main:
-        log(f"drafter: resuming from {rel} (step {ck.step} of {run.total_steps}, epoch {pos.epoch} batch {pos.batch})")
-    if run.ledger is not None:
-        # `sample_ledger` is not in the run's fingerprint (it changes nothing learnt): a run resumed with it on,
-        # from a checkpoint that kept none, has no ledger of the steps before, and says so.
-        if "ledger" in ck.state:
-            run.ledger, run.ledger_from = list(ck.state["ledger"]), int(ck.state.get("ledger_from", 1))
-        else:
-            run.ledger_from = ck.step + 1
-            if run.env.is_main:
-                log(f"drafter: training.sample_ledger is on, but {rel} kept no ledger: the ledger starts at step "
-                    f"{run.ledger_from} (steps 1-{ck.step} are not in it)")  # fmt: skip
-    if run.window is not None:
-        # A kill after a shard's last checkpoint may have left its record or its release undone.
-        run.window.reconcile(pos.epoch, run.loader.steps_before)
-    return ck.step, pos, rel, dict(ck.state.get("metrics") or {})
-
-
 def _announce(run: _Run, log: LogFn) -> None:
     """What a fresh run is about to do, and whether it is too short to learn."""
     n_tokens = sum(s.length for s in run.loader.samples)
@@ -623,7 +533,7 @@ def train_drafter(
             window_families=window_families,
         )  # fmt: skip
         settings = run.settings  # a continuation's schedule is its own
-        step, pos, ckpt_rel, metrics = _resume(run, log, other_run) if resume else (0, DataPosition(), "", {})
+        step, pos, ckpt_rel, metrics = resume_from_checkpoint(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
         if ckpt_rel:
             run.evals = list(read_checkpoint_state(run.out, ckpt_rel).state.get("evals") or [])
