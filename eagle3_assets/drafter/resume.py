@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def resume_from_checkpoint(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[int, DataPosition, str, dict[str, float]]:
-    """(step, next data position, checkpoint, its last metrics) restored from the newest checkpoint.
+    """(step, next data position, checkpoint, its last metrics) restored from the newest checkpoint, with the
+    held-out evaluations made before it (`run.evals`).
 
     A checkpoint of another run (other data, another recipe) is never resumed: `other_run="refuse"` fails
     naming what differs; "fresh" removes the checkpoints, says why, and starts at step 0. A rolling pass that starts
@@ -70,4 +71,5 @@ def resume_from_checkpoint(run: _Run, log: LogFn, other_run: OtherRun) -> tuple[
     if run.window is not None:
         # A kill after a shard's last checkpoint may have left its record or its release undone.
         run.window.reconcile(pos.epoch, run.loader.steps_before)
+    run.evals = list(ck.state.get("evals") or [])
     return ck.step, pos, rel, dict(ck.state.get("metrics") or {})

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3_assets.crash_points import crash_point
-from eagle3_assets.drafter.checkpoint import checkpoint_rel, read_checkpoint_state, save_checkpoint
+from eagle3_assets.drafter.checkpoint import checkpoint_rel, save_checkpoint
 from eagle3_assets.drafter.continuation import ContinuationPlan
 from eagle3_assets.drafter.data import (
     Batch,
@@ -356,24 +356,17 @@ def _base(plan: ContinuationPlan) -> str:
     return "the release" if plan.base == RELEASE_DIR else f"its own export ({plan.base}; the release is another family's)"
 
 
-def _prepare(
-    store: ArtifactStore,
-    shard_keys: Sequence[str],
-    *,
-    env: DistEnv,
-    device: torch.device,
-    vmap: VocabMap,
-    target: TargetModel,
-    settings: TrainingSettings,
-    family: Family,
-    intermediate_size: int | None,
-    data_workers: int,
-    log: LogFn,
-    on_shard: ShardEventCallback | None,
-    inputs: Mapping[str, str] | None = None,
-    continuation: ContinuationPlan | None = None,
-    window_families: Sequence[str] = (),
-) -> _Run:
+def _training_data(
+    store: ArtifactStore, shard_keys: Sequence[str], *, env: DistEnv, settings: TrainingSettings, family: Family,
+    data_workers: int, log: LogFn, on_shard: ShardEventCallback | None, continuation: ContinuationPlan | None,
+    window_families: Sequence[str],
+) -> tuple[
+    SampleFormat, BatchLoader | RollingLoader, list[SampleRef], ShardWindow | None, ContinuedData | None, Sequence[str],
+    TrainingSettings,
+]:
+    """The run's rows (offline, rolling, or a continuation's new and replayed rows): their format, loader, held-out
+    rows, rolling window, what a continuation trains on, every shard the run is of, and the settings it trains by (a
+    continuation's schedule is its own)."""
     window = None
     continued = None
     if settings.rolling:
@@ -402,6 +395,31 @@ def _prepare(
         settings = settings.model_copy(update={"steps": continued.steps, "warmup_steps": short_warmup})
     else:
         fmt, loader, held = offline_data(store, shard_keys, settings, env, data_workers)
+    return fmt, loader, held, window, continued, shard_keys, settings
+
+
+def _prepare(
+    store: ArtifactStore,
+    shard_keys: Sequence[str],
+    *,
+    env: DistEnv,
+    device: torch.device,
+    vmap: VocabMap,
+    target: TargetModel,
+    settings: TrainingSettings,
+    family: Family,
+    intermediate_size: int | None,
+    data_workers: int,
+    log: LogFn,
+    on_shard: ShardEventCallback | None,
+    inputs: Mapping[str, str] | None = None,
+    continuation: ContinuationPlan | None = None,
+    window_families: Sequence[str] = (),
+) -> _Run:
+    fmt, loader, held, window, continued, shard_keys, settings = _training_data(
+        store, shard_keys, env=env, settings=settings, family=family, data_workers=data_workers, log=log,
+        on_shard=on_shard, continuation=continuation, window_families=window_families,
+    )  # fmt: skip
     _check_inputs(fmt, target, vmap)
     weights = load_target_weights(target)
     model = family.build(target, weights, vmap, fmt.aux_layer_ids, settings.seed, intermediate_size).to(device)
@@ -529,14 +547,11 @@ def train_drafter(
         run = _prepare(
             store, shard_keys, env=env, device=device, vmap=vmap, target=target, settings=settings, family=family,
             intermediate_size=intermediate_size, data_workers=data_workers, log=log, on_shard=on_shard, inputs=inputs,
-            continuation=continuation,
-            window_families=window_families,
+            continuation=continuation, window_families=window_families,
         )  # fmt: skip
         settings = run.settings  # a continuation's schedule is its own
         step, pos, ckpt_rel, metrics = resume_from_checkpoint(run, log, other_run) if resume else (0, DataPosition(), "", {})
         resumed_from = step if ckpt_rel else None
-        if ckpt_rel:
-            run.evals = list(read_checkpoint_state(run.out, ckpt_rel).state.get("evals") or [])
         stopped_early = step < run.total_steps and stops_early(run.evals, settings.early_stop_evals)
         if env.is_main and not ckpt_rel:
             _announce(run, log)
@@ -560,19 +575,8 @@ def train_drafter(
         if owns_group:
             dist.destroy_process_group()
     return TrainResult(
-        step=step,
-        total_steps=run.total_steps,
-        finished=step >= run.total_steps or stopped_early,
-        metrics=metrics,
-        heldout=heldout,
-        checkpoint=ckpt_rel,
-        resumed_from=resumed_from,
-        config=run.cfg,
-        aux_layer_ids=list(run.fmt.aux_layer_ids),
-        model=run.model.cpu(),
-        family=family,
-        fingerprint=run.fingerprint,
-        evaluations=run.evals,
-        stopped_early=stopped_early,
-        continued=run.continued,
-    )
+        step=step, total_steps=run.total_steps, finished=step >= run.total_steps or stopped_early, metrics=metrics,
+        heldout=heldout, checkpoint=ckpt_rel, resumed_from=resumed_from, config=run.cfg,
+        aux_layer_ids=list(run.fmt.aux_layer_ids), model=run.model.cpu(), family=family, fingerprint=run.fingerprint,
+        evaluations=run.evals, stopped_early=stopped_early, continued=run.continued,
+    )  # fmt: skip
