@@ -27,13 +27,38 @@ from eagle3_assets.leases import Lease
 from eagle3_assets.project import Project
 from eagle3_assets.provenance import claim_dir
 from eagle3_assets.sample_file import SampleSpec, shard_dir, shard_lease_dir
-from eagle3_assets.settings import ExtractionSettings
+from eagle3_assets.settings import ExtractionSettings, Settings
 from eagle3_assets.shard_window import Window
 from eagle3_assets.shards import Shard
 from eagle3_assets.tokenized import TokenizedSet
 
 
 HIDDEN_STATES = AssetKey("hidden_states")
+
+
+def _admitting_window(context: AssetExecutionContext, project: Project, shard_key: str) -> Window | None:
+    """In rolling mode, the training window, which must admit the shard (else a refusal naming why); None offline."""
+    settings = project.settings
+    if not settings.training.rolling:
+        return None
+    window = Window.read(
+        project.store, registered_shard_keys(context.instance), settings.training.window_shards, settings.drafters
+    )
+    if (refused := window.refusal(shard_key)) is not None:
+        raise refusal(refused)
+    return window
+
+
+def _server_url(context: AssetExecutionContext, settings: Settings, shard_key: str, stack: ExitStack) -> str | None:
+    """The vLLM server this shard extracts through: one of several held for the run (a slot lease, released with
+    `stack`), the one named, or None (the extractor starts its own, or the backend is HF)."""
+    urls = settings.vllm.extraction_urls
+    if settings.extraction.backend == "vllm" and len(urls) > 1:
+        lease = server_slot(context.instance, context.run_id, context.op_handle.name, urls, log=context.log.info)
+        url = stack.enter_context(lease)
+        context.log.info(f"shard {shard_key}: extracting through the vLLM server at {url}")
+        return url
+    return urls[0] if urls else None
 
 
 def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
@@ -54,13 +79,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
         """Aux-layer and final hidden states of every row of one shard, one safetensors file per row."""
         shard = Shard.parse(context.partition_key)
         store, settings = project.store, project.settings
-        window = None
-        if settings.training.rolling:
-            window = Window.read(
-                store, registered_shard_keys(context.instance), settings.training.window_shards, settings.drafters
-            )
-            if (refused := window.refusal(shard.key)) is not None:
-                raise refusal(refused)
+        window = _admitting_window(context, project, shard.key)
         final: dict[str, float | int] = {}
 
         def on_progress(progress: ExtractionProgress) -> None:
@@ -98,13 +117,7 @@ def hidden_states_asset(extraction: ExtractionSettings) -> AssetsDefinition:
             url, backend = None, "none"
             result = completed_shard(store, tset, plan)
             if result is None:
-                urls = settings.vllm.extraction_urls
-                if settings.extraction.backend == "vllm" and len(urls) > 1:
-                    lease = server_slot(context.instance, context.run_id, context.op_handle.name, urls, log=context.log.info)
-                    url = stack.enter_context(lease)
-                    context.log.info(f"shard {shard.key}: extracting through the vLLM server at {url}")
-                elif urls:
-                    url = urls[0]
+                url = _server_url(context, settings, shard.key, stack)
                 extractor = open_extractor(settings, target, server_url=url, write_root=store.local_path(""))
                 stack.callback(extractor.close)
                 backend = extractor.backend
