@@ -127,6 +127,21 @@ class Lease:
         current = self.read()
         if current is not None and current.token != self.me.token and not self._expired(current):
             raise self._refuse(current)
+        back = self._write_and_read_back()
+        if back is None or back.token != self.me.token:
+            raise self._refuse(back or current or self.me)
+        self._superseded = current.token if current is not None else None
+        self._beat = threading.Thread(target=self._heartbeat, name=f"lease {self.rel}", daemon=True)
+        self._beat.start()
+        return self
+
+    def _write(self) -> None:
+        self.me = Holder(**{**asdict(self.me), "renewed": time.time()})
+        self.store.write_json(self.rel, asdict(self.me))
+
+    def _write_and_read_back(self) -> Holder | None:
+        """Take the lease as fsspec stores allow (no compare-and-swap): write it, wait `settle_s`, read it back. Who is
+        read back holds it; when it is this process, its renewal clock starts from before the write."""
         wrote_at = _clock()
         self._write()
         try:
@@ -136,17 +151,9 @@ class Lease:
             if (mine := self.read()) is not None and mine.token == self.me.token:
                 self.store.remove(self.rel)
             raise
-        if back is None or back.token != self.me.token:
-            raise self._refuse(back or current or self.me)
-        self._superseded = current.token if current is not None else None
-        self._renewed_at = wrote_at
-        self._beat = threading.Thread(target=self._heartbeat, name=f"lease {self.rel}", daemon=True)
-        self._beat.start()
-        return self
-
-    def _write(self) -> None:
-        self.me = Holder(**{**asdict(self.me), "renewed": time.time()})
-        self.store.write_json(self.rel, asdict(self.me))
+        if back is not None and back.token == self.me.token:
+            self._renewed_at = wrote_at
+        return back
 
     def _renew(self) -> None:
         """One renewal. Reading the file and writing it are two steps (no compare-and-swap): a renewal delayed
@@ -193,14 +200,10 @@ class Lease:
         """The holder this one took over from was frozen with a renewal in flight, which landed after the takeover. Its
         content is past the expiry, so that holder's own clock has stopped it (`check`): it writes nothing more, and
         this one takes its lease back the way it took it, by writing and reading back."""
-        wrote_at = _clock()
-        self._write()
-        time.sleep(self.settle_s)
-        back = self.read()
+        back = self._write_and_read_back()
         if back is None or back.token != self.me.token:
             self._lost = _taken_over(back)
         else:
-            self._renewed_at = wrote_at
             print(f"lease {self.what}: a renewal of {late.describe()}, in flight when it froze, landed after this "
                   "process took over; taken back", file=sys.stderr, flush=True)  # fmt: skip
 
