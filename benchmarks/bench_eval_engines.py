@@ -20,13 +20,14 @@ Run: .venv/bin/python benchmarks/bench_eval_engines.py [--passes 3] [--repeat 2]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+from alternating import best_of_alternating
 
 from eagle3_assets.demo.target import build_demo_target
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
@@ -92,14 +93,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-eval-engines-") as tmp:
         target_dir, export_dir = build(Path(tmp))
         runs = [{}] + [{"draft_dir": str(export_dir), "num_speculative_tokens": 3}] * (args.passes - 1)
-        compared = modes(Path(tmp), args.pinning)
-        best = dict.fromkeys(compared, float("inf"))
-        outputs: dict[str, list[dict]] = {}
-        for _ in range(args.repeat):
-            for name, (env, cores) in compared.items():
-                seconds, outputs[name] = timed(target_dir, runs, env, cores)
-                best[name] = min(best[name], seconds)
-        same = len({json.dumps(o) for o in outputs.values()}) == 1
+        ways = {
+            name: partial(timed, target_dir, runs, env, cores)
+            for name, (env, cores) in modes(Path(tmp), args.pinning).items()
+        }
+        best, same = best_of_alternating(ways, args.repeat)
     (slow, a), (fast, b) = best.items()
     print(f"{args.passes} passes, best of {args.repeat}: {slow} {a:.1f} s, {fast} {b:.1f} s: {a / b:.2f}x; "
           f"outputs and counters identical: {same}")  # fmt: skip

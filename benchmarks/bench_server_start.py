@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
+
+from alternating import best_of_alternating
 
 from eagle3_assets.demo.target import build_demo_target
 from eagle3_assets.settings import DemoSettings, VllmSettings
@@ -49,13 +52,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-server-start-") as tmp:
         build_demo_target(Path(tmp), DemoSettings(num_prompts=40, train_steps=0), log=lambda _: None)
         target = TargetModel.read(Path(tmp), aux_layer_ids=(1, 2, 3))
-        best = dict.fromkeys(MODES, float("inf"))
-        outputs: dict[str, list[str]] = {}
-        for _ in range(args.repeat):
-            for name, env in MODES.items():
-                seconds, outputs[name] = started(target, env)
-                best[name] = min(best[name], seconds)
-    same = len({tuple(o) for o in outputs.values()}) == 1
+        best, same = best_of_alternating({name: partial(started, target, env) for name, env in MODES.items()}, args.repeat)
     (slow, a), (fast, b) = best.items()
     print(f"server start to /health, best of {args.repeat}: {slow} {a:.1f} s, {fast} {b:.1f} s: {a / b:.2f}x; "
           f"completions identical: {same}")  # fmt: skip
