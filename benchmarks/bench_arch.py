@@ -85,8 +85,7 @@ if __name__ == "__main__":
     parser.add_argument("legs", nargs="+", type=Path, help="leg directories `make bench-arch` kept")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # The engine core in a process of its own, as in the server that extracted: and a wrapper's must be (its image
-    # processor's llvmlite breaks an in-process core, docs/DESIGN.md §6), which would break every later leg here.
+    # The engine core in a process of its own, as in the server that extracted.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     for leg in args.legs:
         print(json.dumps(leg_figures(leg)), flush=True)

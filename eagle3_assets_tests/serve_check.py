@@ -5,8 +5,8 @@ result {"draft_class", "unloaded" (the drafter's parameters no checkpoint tensor
 vLLM's loader raises on a checkpoint name it has no parameter for, so "unloaded" empty but for the embedding
 (shared from the target) means every weight vLLM builds came from the export and none of the export was left over.
 The loader is wrapped, not replaced: vLLM loads exactly as it would, and this script notes what it returned.
-Each load is recorded in `result.json.loads.jsonl` by the process that loads: this one with
-VLLM_ENABLE_V1_MULTIPROCESSING=0, or the engine core it spawns for a vision-language wrapper (`engine_process_env`).
+Each load is recorded in `result.json.loads.jsonl` by the process that loads: this one, run with
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (a vision-language wrapper's too, as drafter_eval runs it: `text_only_engine`).
 """
 
 from __future__ import annotations
@@ -39,17 +39,18 @@ if __name__ == "__main__":
 
     os.environ[LOADS_ENV] = loads_file = sys.argv[2] + ".loads.jsonl"
     from eagle3_assets.target import TargetModel, read_config
-    from eagle3_assets.vllm_server.command import compilation_config, engine_process_env
+    from eagle3_assets.drafter.vllm_eval import text_only_engine
+    from eagle3_assets.vllm_server.command import compilation_config
 
     request = json.loads(open(sys.argv[1]).read())
     target = TargetModel.from_config(read_config(request["target"]), path=request["target"])
-    os.environ.update(engine_process_env(target))  # as drafter_eval starts it; read when the engine starts
+    engine_args = {"skip_tokenizer_init": True} | text_only_engine(target.wrapped)  # as drafter_eval starts it
     llm = LLM(
         model=request["target"],
         speculative_config={"method": "eagle3", "model": request["draft"], "num_speculative_tokens": 3},
-        dtype="auto", enforce_eager=True, max_model_len=512, seed=0, skip_tokenizer_init=True, disable_log_stats=False,
+        dtype="auto", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False,
         # as the pipeline's engines; the shape alone (a tiny target's default aux ids may collide)
-        compilation_config=compilation_config(target), language_model_only=target.wrapped,
+        compilation_config=compilation_config(target), **engine_args,
     )  # fmt: skip
     loads = [json.loads(line) for line in open(loads_file)]
     draft_class, names, loaded = next(r for r in reversed(loads) if r[0].startswith("Eagle3"))

@@ -195,6 +195,23 @@ def _spec_counters(metrics: list) -> dict[str, object]:
     return out
 
 
+def text_only_engine(target_wrapped: bool) -> dict[str, Any]:
+    """The `vllm.LLM` arguments that serve a vision-language wrapper's text model (Kimi-K2.5) with the engine core in
+    this process, this process made ready for them; none for a plain text model.
+
+    vLLM 0.32 imports numba (so llvmlite) with Kimi-K2.5's model module, in the front end, before the core's CPU worker
+    scans every loaded module for Triton kernels to override; the scan trips on an llvmlite object (`'_lib_fn_wrapper'
+    object has no attribute 'get'`, docs/DESIGN.md §6). So numba is hidden from this process (vLLM then imports none:
+    its fused image processor is for images, never served here), and the engine gets no tokenizer, whose init would
+    load the image processor: prompts go in and answers come out as token ids, and the caller passes the
+    tokenizer's end-of-sequence id as a stop token (`stop_token_ids`), which vLLM otherwise takes from the tokenizer.
+    Without this the core needs a process of its own, two more interpreters importing vLLM for every engine."""
+    if not target_wrapped:
+        return {}
+    sys.modules.setdefault("numba", None)  # an import of numba now fails, and vLLM's probe for it says False
+    return {"language_model_only": True, "skip_tokenizer_init": True}
+
+
 def generate(
     target_dir: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -214,9 +231,12 @@ def generate(
     margins: bool = False,
     language_model_only: bool = False,
     compilation_config: dict[str, Any] | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> GenerationResult:
     """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given, or
-    n-gram prompt lookup with `method="ngram"`."""
+    n-gram prompt lookup with `method="ngram"`. `language_model_only`: the target is a vision-language wrapper,
+    served text-only (`text_only_engine`); `stop_token_ids` then should hold the tokenizer's end of sequence."""
+    engine_args = text_only_engine(language_model_only)  # before vLLM resolves the model's class
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -238,14 +258,15 @@ def generate(
             dtype=dtype,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
-            language_model_only=language_model_only,
             compilation_config=compilation_config,
             disable_log_stats=False,
             seed=0,
+            **engine_args,
         )
         try:
             params = SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2 if margins else None
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2 if margins else None,
+                stop_token_ids=list(stop_token_ids) or None,
             )
             token_prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
             labels = list(groups) if groups is not None else [""] * len(prompts)

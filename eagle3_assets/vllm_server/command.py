@@ -36,14 +36,6 @@ def compilation_config(target: TargetModel) -> dict[str, Any] | None:
     return MLA_CPU_COMPILATION if target.config.get("kv_lora_rank") and cpu_build() else None
 
 
-def engine_process_env(target: TargetModel) -> dict[str, str]:
-    """The environment an offline engine (`vllm.LLM`) for `target` needs beyond the caller's: a wrapper's engine core in
-    a process of its own. vLLM 0.32 loads Kimi-K2.5's image processor (numba, so llvmlite) in the front end, text-only
-    too, and its CPU worker's kernel scan of every loaded module fails on an llvmlite object in the same process
-    (docs/DESIGN.md §6). Servers always run the core apart."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if target.wrapped else {}
-
-
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
     return {
         "method": "extract_hidden_states",
