@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from dagster import DagsterInstance
 from dagster._core.test_utils import instance_for_test
@@ -197,15 +196,6 @@ def vllm_test_settings(max_model_len: int = 256, **overrides) -> VllmSettings:
     )
     base.update(overrides)
     return VllmSettings(**base)
-
-
-@contextmanager
-def small_kv_cache() -> Iterator[None]:
-    """1 GiB of KV cache per test server: the machine is shared."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        mp.setenv("TOKENIZERS_PARALLELISM", "false")
-        yield
 
 
 def wait_for_line(proc: subprocess.Popen, wanted: str) -> str:

@@ -213,7 +213,7 @@ def serve_check(target: Path, draft: Path, prompts: list[list[int]], max_tokens:
     request.write_text(json.dumps({"target": str(target), "draft": str(draft), "prompts": prompts, "max_tokens": max_tokens}))
     check = subprocess.run(
         [sys.executable, str(SERVE_CHECK), str(request), str(out)],
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]

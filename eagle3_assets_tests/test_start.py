@@ -100,15 +100,14 @@ def test_each_phase_shares_one_vllm_server_started_and_stopped_with_the_phase(tm
     from eagle3_assets.settings import ExtractionSettings, GenerationSettings
     from eagle3_assets.vllm_server.client import port_in_use
 
-    from .helpers import small_kv_cache, vllm_test_settings
+    from .helpers import vllm_test_settings
 
     vllm = vllm_test_settings()
-    with small_kv_cache():
-        op = Operator(
-            tmp_path, tiny_target_dir, vllm=vllm,
-            generation=GenerationSettings(backend="vllm", max_new_tokens=8, rows_per_part=16),
-            extraction=ExtractionSettings(backend="vllm", progress_interval_s=0.01),
-        )  # fmt: skip
+    op = Operator(
+        tmp_path, tiny_target_dir, vllm=vllm,
+        generation=GenerationSettings(backend="vllm", max_new_tokens=8, rows_per_part=16),
+        extraction=ExtractionSettings(backend="vllm", progress_interval_s=0.01),
+    )  # fmt: skip
     done = op.start("--through", "hidden_states")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     url = f"http://127.0.0.1:{vllm.port}"

@@ -26,7 +26,7 @@ from eagle3_assets.vllm_server.client import http_json
 from eagle3_assets.vllm_server.cores import BIND_ENV, CORES_ENV, claim_cores, engine_claim, pin_to_claim
 from eagle3_assets.vllm_server.server import VllmServer
 
-from .helpers import small_kv_cache, vllm_test_settings
+from .helpers import vllm_test_settings
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 two_cores = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores this process may use")
@@ -169,7 +169,7 @@ def test_two_cpu_servers_started_at_once_each_get_cores_and_both_make_progress(t
     # (and rightly share them with these), while this test is about two servers claiming between themselves.
     monkeypatch.setattr(cores, "REGISTRY", tmp_path / "registry")
     target = TargetModel.read(tiny_target_dir, aux_layer_ids=[1, 2, 3])
-    with small_kv_cache(), ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
         # Started at once, as a phase's two servers or two `--serve` commands on one host would be.
         starting = [pool.submit(VllmServer.start, target, vllm_test_settings(), "generate") for _ in range(2)]
         servers = [f.result() for f in starting]

@@ -89,7 +89,6 @@ def server(target: TargetModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
         **os.environ,
         "EAGLE3_CONFIG": str(tmp / "config.yaml"),
         "EAGLE3_ROOT": str(tmp / "root"),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     workdir, output = tmp / "work", tmp / "serve.out"
     with open(output, "wb") as out:

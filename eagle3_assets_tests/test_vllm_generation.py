@@ -31,7 +31,7 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
 from eagle3_assets.vllm_server.client import port_in_use
 
-from .helpers import hybrid_demo_tokenizer, small_kv_cache, vllm_test_settings
+from .helpers import hybrid_demo_tokenizer, vllm_test_settings
 from .vllm_helpers import MAX_NEW_TOKENS, confident_target, conversations, hf_greedy, prompt_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -49,8 +49,7 @@ def target(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> T
 @pytest.fixture(scope="module")
 def generator(target: TargetModel):
     pytest.importorskip("vllm")
-    with small_kv_cache():
-        gen = open_generator(target, GEN, vllm_test_settings(MAX_MODEL_LEN))
+    gen = open_generator(target, GEN, vllm_test_settings(MAX_MODEL_LEN))
     yield gen
     gen.close()
 
