@@ -80,7 +80,7 @@ BENCH_ARCHITECTURES ?= deepseek_v3,kimi_k25,qwen3_moe,gpt_oss,qwen3,llama
 bench-arch: install
 	rm -rf benchmarks/out/arch
 	EAGLE3_ARCHITECTURES=$(BENCH_ARCHITECTURES) EAGLE3_ARCH_ROWS=1200 $(BIN)/python -m pytest -q --basetemp=benchmarks/out/arch eagle3_assets_tests/test_architectures.py
-	$(BIN)/python benchmarks/bench_arch.py benchmarks/out/arch/arch-*
+	$(BIN)/python benchmarks/bench_arch.py benchmarks/out/arch/arch-*[0-9]
 
 clean:
 	rm -rf $(VENV) .dagster .eagle3 .dagster-* .eagle3-*
