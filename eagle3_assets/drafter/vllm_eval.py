@@ -266,7 +266,7 @@ def generate(
         try:
             params = SamplingParams(
                 temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2 if margins else None,
-                stop_token_ids=list(stop_token_ids) or None,
+                stop_token_ids=None if ignore_eos else list(stop_token_ids) or None,  # vLLM stops at these even with ignore_eos
             )
             token_prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
             labels = list(groups) if groups is not None else [""] * len(prompts)
