@@ -93,7 +93,7 @@ from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, ope
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids
+from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids, stop_token_ids
 from eagle3_assets.vllm_server.command import compilation_config
 
 REFERENCE = "reference"
@@ -407,7 +407,6 @@ class ServedPrompts:
     groups: list[str]  # each prompt's `vllm_eval` group: ([set,] mode, context bin)
     original: int  # how many of `prompts` are the original held-out prompts
     report: EvalReport
-    stop_token_ids: list[int]  # the tokenizer's end of sequence (an engine serving a wrapper text-only has no tokenizer)
     plain_outputs: list[list[int]] = field(default_factory=list)  # the plain pass's greedy answers, once served
 
 
@@ -418,8 +417,7 @@ def served_prompts(store: ArtifactStore, target: TargetModel, settings: Settings
     original_file = settings.eval_prompts or "embedded demo eval prompts"
     sets = served_sets(store, original, original_file, settings.traffic is not None)
     prompts = [p for s in sets for p in s.prompts] if sets else original
-    tokenizer = load_tokenizer(target)
-    prompt_ids, modes = eval_prompt_ids(tokenizer, prompts, settings.generation.chat_template_kwargs)
+    prompt_ids, modes = eval_prompt_ids(load_tokenizer(target), prompts, settings.generation.chat_template_kwargs)
     edges = settings.evaluation.context_bins
     lengths = [len(ids) for ids in prompt_ids]  # the context the drafter drafts after: the prompt as served
     groups = [group_label(mode, context_bin(n, edges)) for mode, n in zip(modes, lengths, strict=True)]
@@ -431,8 +429,7 @@ def served_prompts(store: ArtifactStore, target: TargetModel, settings: Settings
         min_prompts_per_bin=settings.evaluation.min_prompts_per_bin, bins=prompts_per_bin(lengths, edges),
     )  # fmt: skip
     report.prompt_sets = set_entries(sets, _bins_by_set(sets, lengths, edges))
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return ServedPrompts(prompts, prompt_ids, groups, len(original), report, stop)
+    return ServedPrompts(prompts, prompt_ids, groups, len(original), report)
 
 
 def _bins_by_set(sets: Sequence[PromptSet], lengths: Sequence[int], edges: Sequence[int]) -> dict[str, dict[str, int]]:
@@ -524,7 +521,7 @@ def serve_passes(
         common={
             "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
             "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
-            "compilation_config": compilation_config(target), "stop_token_ids": served.stop_token_ids,
+            "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
         },  # fmt: skip
         timeout_s=timeout_s,
         on_result=_pass_logger(labels, log),

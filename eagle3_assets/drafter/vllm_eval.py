@@ -203,8 +203,8 @@ def text_only_engine(target_wrapped: bool) -> dict[str, Any]:
     scans every loaded module for Triton kernels to override; the scan trips on an llvmlite object (`'_lib_fn_wrapper'
     object has no attribute 'get'`, docs/DESIGN.md §6). So numba is hidden from this process (vLLM then imports none:
     its fused image processor is for images, never served here), and the engine gets no tokenizer, whose init would
-    load the image processor: prompts go in and answers come out as token ids, and the caller passes the
-    tokenizer's end-of-sequence id as a stop token (`stop_token_ids`), which vLLM otherwise takes from the tokenizer.
+    load the image processor: prompts go in and answers come out as token ids, and the caller passes what ends a
+    completion (`target.py: stop_token_ids`, where the generation backends stop) as `stop_token_ids`.
     Without this the core needs a process of its own, two more interpreters importing vLLM for every engine."""
     if not target_wrapped:
         return {}
@@ -235,7 +235,7 @@ def generate(
 ) -> GenerationResult:
     """Greedy generation from token-id prompts, with the EAGLE-3 drafter when `draft_dir` is given, or
     n-gram prompt lookup with `method="ngram"`. `language_model_only`: the target is a vision-language wrapper,
-    served text-only (`text_only_engine`); `stop_token_ids` then should hold the tokenizer's end of sequence."""
+    served text-only (`text_only_engine`); `stop_token_ids`: what ends a completion, beside vLLM's own."""
     engine_args = text_only_engine(language_model_only)  # before vLLM resolves the model's class
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
