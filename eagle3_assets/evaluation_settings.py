@@ -43,6 +43,12 @@ class EvaluationSettings(Section):
         "replaces a drafter released for another target; unset, that release stays and the release check fails "
         "naming this setting with the version to approve",
     )
+    reuse_passes: bool = Field(
+        True,
+        description="a pass drafter_eval served before (the same engine, device, target, prompts, engine arguments "
+        "and drafter files) is read from the store's served_passes/ instead of served again: after a release, each "
+        "family's eval serves nothing new but the release beside it; false serves every pass again",
+    )
     context_bins: list[int] = Field(
         default_factory=lambda: [0, 1024, 4096, 16384, 32768, 65536],
         description="edges of the context-length bins (prompt tokens) drafter_eval reports acceptance in: bin i holds "

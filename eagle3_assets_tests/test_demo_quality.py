@@ -249,6 +249,13 @@ def test_the_family_serving_best_is_released_with_the_figures_it_served_and_the_
     assert then["promoted"].value is False and then["family"].value == best
     assert then["reason"].value.startswith(f"the {best} export is the release (sha256 {record['export_sha256']}): it stays")
     assert reports[other]["beside"]["released"]["export_sha256"] == record["export_sha256"]
+    # ... and served nothing to do so: its own passes and the release's (the best's own, at each k) were served before
+    # from the same target, prompts and files, and are read (`served_passes.py`), with the figures they served.
+    assert reports[other]["passes_reused"] == [
+        "plain", "k=3", "k=3 features zeroed", "k=7", "k=7 features zeroed", "released k=3", "released k=7"
+    ]  # fmt: skip
+    assert {k: reports[other]["beside"]["released"][f"mean_acceptance_length_{k}"] for k in served} == served
+    assert reports[best]["passes_reused"] == []
     gate = AssetCheckKey(DRAFTER_RELEASE, RELEASE_CHECK)
     execution = instance.event_log_storage.get_latest_asset_check_execution_by_key([gate])[gate]
     assert execution.status.value == "SUCCEEDED"

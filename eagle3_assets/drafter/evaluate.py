@@ -83,6 +83,7 @@ from eagle3_assets.drafter.release import (
     target_version,
 )
 from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, heldout_metrics
+from eagle3_assets.drafter.served_passes import PASSES_DIR, REPORT_KEYS, prompts_digest, prune, serve_or_reuse
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
@@ -139,6 +140,8 @@ class EvalReport:
     beside: dict[str, dict[str, Any]] = field(default_factory=dict)  # other drafters served: name -> their figures
     # With `traffic` set: ours on each prompt set (`prompt_sets.py`), in the report's form; empty without.
     prompt_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    served_passes: dict[str, str] = field(default_factory=dict)  # pass label -> its kept entry (`served_passes.py`)
+    passes_reused: list[str] = field(default_factory=list)  # the labels of the passes read, not served, by this eval
 
     def add_beside(
         self, name: str, directory: str, k: int, plain: GenerationResult, spec: GenerationResult, sha256: str = ""
@@ -158,16 +161,18 @@ class EvalReport:
         add_set_figures(figures.get(PROMPT_SETS, {}), spec.by_group, k)
 
     def add_run(
-        self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None]
+        self, k: int, zeroed: bool, plain: GenerationResult, spec: GenerationResult, log: Callable[[str], None],
+        plain_tokens_per_s: float | None = None,
     ) -> None:
         """One speculative run's acceptance (overall, per position, per mode and per context bin) and its outputs
-        against greedy."""
+        against greedy; its speedup over `plain_tokens_per_s`, the plain pass's rate in the interpreter that served it
+        (`plain`'s when None)."""
         label = f"k={k}" + (" features zeroed" if zeroed else "")
         (self.acceptance_zeroed if zeroed else self.acceptance)[f"k{k}"] = spec.mean_acceptance_length
         if not zeroed:
             self.per_position[f"k{k}"] = spec.acceptance_per_position
-            if plain.decode_tokens_per_s:
-                self.speedup[f"k{k}"] = spec.decode_tokens_per_s / plain.decode_tokens_per_s
+            if baseline := plain.decode_tokens_per_s if plain_tokens_per_s is None else plain_tokens_per_s:
+                self.speedup[f"k{k}"] = spec.decode_tokens_per_s / baseline
             for mode, part in merged_by(spec.by_group, 0).items():
                 self.acceptance_by_mode.setdefault(mode, {})[f"k{k}"] = part.mean_acceptance_length
                 log(f"drafter_eval: k={k} mode {mode}: mean acceptance length {part.mean_acceptance_length:.3f}")
@@ -259,6 +264,7 @@ class EvalReport:
             meta[f"eval_tokens_{c}"] = acc.predictions[0]
         meta["eval_rows_off_reference"] = len(self.off_reference)
         meta["outputs_match_greedy"] = self.outputs_match
+        meta["passes_reused"] = self.passes_reused
         meta["outputs_parted_at_near_ties"] = len(self.near_ties)  # not defects: NEAR_TIE_LOGPROB
         for name, figures in self.beside.items():  # flat numbers too: the UI plots them beside ours
             meta.update({f"{name}_mean_acceptance_length_k{k}": figures[f"mean_acceptance_length_k{k}"] for k in SPECULATIVE_TOKENS})
@@ -480,9 +486,24 @@ def evaluate_drafter(
     out.write_json(
         EVAL_REPORT_FILE,
         {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches,
-         "near_ties": report.near_ties},
+         "near_ties": report.near_ties, REPORT_KEYS: report.served_passes},
     )
+    if removed := prune(store, log):
+        log(f"drafter_eval: {removed} kept pass(es) no report names removed from {store.url_of(PASSES_DIR)}")
     return report
+
+
+def pass_context(store: ArtifactStore, prompt_ids: Sequence[Sequence[int]], common: Mapping[str, Any]) -> dict | None:
+    """What every pass of this eval shares (`served_passes.pass_key`): the engine and device, the target's version,
+    the prompts and the engine arguments. None (every pass served) when the target has no version yet."""
+    version = target_version(store)
+    if version == "none":
+        return None
+    return {
+        "engine": engine_version(), "device": "cuda" if torch.cuda.is_available() else "cpu", "target": version,
+        "prompts": prompts_digest(prompt_ids, common["groups"]),
+        "common": {k: v for k, v in common.items() if k != "groups"},
+    }  # fmt: skip
 
 
 def serve_passes(
@@ -500,39 +521,57 @@ def serve_passes(
     variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
     labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
     labels += [f"{name} k={k}" for name, _, _, k in beside]
-    timeout_s = eval_timeout_s(settings.evaluation, passes=len(labels), prompts=len(prompt_ids), max_tokens=max_tokens)
     of_sets = "".join(f", {e['prompts']} {name}" for name, e in report.prompt_sets.items())
     log(
         f"drafter_eval: {len(prompt_ids)} held-out prompts{f' ({of_sets[2:]})' if of_sets else ''} decoded greedily in "
         f"vLLM ({max_tokens} tokens each), plain and with the {family.name} drafter at "
         f"k={', '.join(map(str, SPECULATIVE_TOKENS))} (features as trained, then zeroed)"
         f"{''.join(f', {name} beside' for name, _, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
-        f"{len(labels)} passes, timeout {timeout_s:.0f}s"
+        f"{len(labels)} passes"
     )
-    plain, *speculative = generate_runs_in_subprocess(
-        target.path,
-        prompt_ids,
+    runs = (
         [{"margins": True}]
         + [{"draft_dir": export_dir, "method": family.vllm_method, "num_speculative_tokens": k, "zero_fc": zeroed}
            for k, zeroed in variants]
-        + [{"draft_dir": d, "method": method, "num_speculative_tokens": k} for _, d, method, k in beside],
-        # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel
-        # takes no float32, and a drafter is judged beside the target as it is served.
-        common={
-            "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
-            "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
-            "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
-        },  # fmt: skip
-        timeout_s=timeout_s,
-        on_result=_pass_logger(labels, log),
-        cpu_cores=settings.vllm.cpu_cores,
-    )
-    served.plain_outputs = plain.outputs
+        + [{"draft_dir": d, "method": method, "num_speculative_tokens": k, "zero_fc": False}
+           for _, d, method, k in beside]
+    )  # fmt: skip
+    # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel takes no
+    # float32, and a drafter is judged beside the target as it is served.
+    common = {
+        "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
+        "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
+        "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
+    }  # fmt: skip
+    context = pass_context(store, prompt_ids, common) if settings.evaluation.reuse_passes else None
+
+    def serve(todo: list[int], on_result: Callable[[int, GenerationResult], None]) -> list[GenerationResult]:
+        asked = [labels[i] for i in todo]
+        timeout_s = eval_timeout_s(
+            settings.evaluation, passes=len(todo), prompts=len(prompt_ids), max_tokens=max_tokens
+        )
+        log(f"drafter_eval: serving {len(todo)} of the {len(labels)} passes ({', '.join(asked)}); timeout {timeout_s:.0f}s")
+        logger = _pass_logger(asked, log)
+        return generate_runs_in_subprocess(
+            target.path, prompt_ids, [runs[i] for i in todo], common=common, timeout_s=timeout_s,
+            on_result=lambda i, r: (on_result(i, r), logger(i, r)), cpu_cores=settings.vllm.cpu_cores,
+        )  # fmt: skip
+
+    passes = serve_or_reuse(store, runs, context, serve, log)
+    if reused := [label for label, p in zip(labels, passes, strict=True) if p.reused]:
+        log(
+            f"drafter_eval: {len(reused)} of the {len(labels)} passes served before from the same target, prompts, "
+            f"drafter and engine, their figures read from {store.url_of(PASSES_DIR)}: {', '.join(reused)}"
+        )
+    report.served_passes = {label: p.key for label, p in zip(labels, passes, strict=True)}
+    report.passes_reused = reused
+    plain, *speculative = passes
+    served.plain_outputs = plain.result.outputs
     for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
-        report.add_run(k, zeroed, plain, spec, log)
+        report.add_run(k, zeroed, plain.result, spec.result, log, spec.plain_tokens_per_s)
     where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
     for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
-        report.add_beside(name, where.get(name, str(d)), k, plain, spec, digests[name])
+        report.add_beside(name, where.get(name, str(d)), k, plain.result, spec.result, digests[name])
     return export_dir
 
 

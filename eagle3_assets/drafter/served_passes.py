@@ -1,0 +1,157 @@
+"""drafter_eval's vLLM passes, each kept in the store by what determines it, so no pass is served twice.
+
+A pass (plain greedy decoding, or one drafter at one k, its features kept or zeroed) is determined by the engine and
+the device that serve it, the target's bytes (its `target_model` version), the prompts as the engine is given them
+(token ids and their groups), the arguments every pass shares (tokens decoded, dtype, stop tokens, ...) and, for a
+drafter, the files vLLM loads of it. Its result is kept under a digest of all of these (`served_passes/<key>.json`)
+and read instead of served when the same pass is asked for again:
+- a release makes every family's eval due again, to serve the release beside it; the release is an export some eval
+  has served at each k, and the eval's own passes have not changed: served once, not again;
+- every family's eval serves the same plain pass;
+- a pass is kept as it finishes, so an eval that dies at pass 7 of 9 serves two when it runs again.
+On a GPU each pass loads the target (minutes, for a 1T model); on a CPU it is most of drafter_eval's time.
+
+A speedup is a ratio of two passes in one interpreter: each result is kept with the plain pass's rate of the
+interpreter that served it, and when any pass is served the plain pass is served with it.
+
+Nothing here that a process can lose: an entry is written whole (`ArtifactStore.write_json`), one that cannot be read
+is served again, and one that cannot be written costs only its reuse. Entries no family's report names are removed
+after each eval (`prune`); an entry another family's eval wrote meanwhile may go with them, which costs that pass
+once more, never a wrong figure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.drafter.errors import EvaluationError
+from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
+from eagle3_assets.drafter.export import TRAINED_ON_FILE
+from eagle3_assets.drafter.release import RELEASE_RECORD
+from eagle3_assets.drafter.vllm_eval import GenerationResult
+from eagle3_assets.errors import Eagle3Error
+from eagle3_assets.families import FAMILIES
+from eagle3_assets.storage import ArtifactStore
+
+PASSES_DIR = "served_passes"
+REPORT_KEYS = "served_passes"  # report.json: pass label -> the key of the entry its figures are (what `prune` keeps)
+# Files of a drafter directory that vLLM never reads: records written beside the weights (a release's own record, what
+# an export was trained on). Any other file counts, so a file a new family adds makes a new key, never a stale one.
+RECORDS = frozenset({RELEASE_RECORD.rsplit("/", 1)[-1], TRAINED_ON_FILE})
+
+
+def files_digest(directory: Path) -> str:
+    """sha256 over the drafter files in `directory` that vLLM may load (names and bytes; `RECORDS` left out): the
+    same export, copied to a release, has the same digest."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name not in RECORDS):
+        h.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def pass_key(context: Mapping[str, Any], run: Mapping[str, Any], drafters: dict[str, str] | None = None) -> str:
+    """The key of one pass: `context` (what every pass of an eval shares) and `run` (this pass's arguments), its
+    `draft_dir` replaced by that directory's `files_digest` (kept in `drafters`, by directory, for the next run)."""
+    run = dict(run)
+    if "draft_dir" in run:
+        drafters = {} if drafters is None else drafters
+        directory = str(run["draft_dir"])
+        run["draft_dir"] = drafters.get(directory) or drafters.setdefault(directory, files_digest(Path(directory)))
+    text = json.dumps({"context": context, "run": run}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prompts_digest(prompt_ids: Sequence[Sequence[int]], groups: Sequence[str]) -> str:
+    return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_ids] + [list(groups)]).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ServedPass:
+    result: GenerationResult
+    plain_tokens_per_s: float  # the plain pass's decode rate in the interpreter that served this one
+    key: str
+    reused: bool  # read from the store, not served by this eval
+
+
+Serve = Callable[[list[int], Callable[[int, GenerationResult], None]], object]
+
+
+def serve_or_reuse(
+    store: ArtifactStore,
+    runs: Sequence[Mapping[str, Any]],
+    context: Mapping[str, Any] | None,
+    serve: Serve,
+    log: Callable[[str], None],
+) -> list[ServedPass]:
+    """Each of `runs` (the first the plain pass) read from the store when kept there under its key, else served:
+    `serve(indexes, on_result)` serves the runs at `indexes` (the plain pass first) in one interpreter, calling
+    `on_result(j, result)` as the j-th of them finishes. `context` None serves every run again (and keeps them)."""
+    drafters: dict[str, str] = {}
+    keys = [pass_key(context or {}, run, drafters) for run in runs]
+    kept: list[ServedPass | None] = [None if context is None else _read(store, key, log) for key in keys]
+    todo = [i for i, p in enumerate(kept) if p is None]
+    if todo and todo[0] != 0:  # the fresh passes' speedups are measured against a plain pass of their interpreter
+        todo.insert(0, 0)
+    if not todo:
+        return [p for p in kept if p is not None]
+    plain_rate: list[float] = []
+
+    def on_result(j: int, result: GenerationResult) -> None:
+        if j == 0:
+            plain_rate.append(result.decode_tokens_per_s)
+        i = todo[j]
+        kept[i] = ServedPass(result, plain_rate[0], keys[i], reused=False)
+        _write(store, kept[i], log)
+
+    serve(todo, on_result)
+    if missing := [i for i, p in enumerate(kept) if p is None]:
+        raise EvaluationError(f"drafter_eval: passes {missing} of {len(runs)} were asked for and never served")
+    return kept  # type: ignore[return-value]
+
+
+def _read(store: ArtifactStore, key: str, log: Callable[[str], None]) -> ServedPass | None:
+    rel = f"{PASSES_DIR}/{key}.json"
+    try:
+        body = store.read_json(rel)
+        return ServedPass(
+            GenerationResult.from_json(body["result"]), float(body["plain_tokens_per_s"]), key, reused=True
+        )
+    except Eagle3Error:
+        return None  # not kept
+    except (ValueError, KeyError, TypeError) as e:
+        log(f"drafter_eval: {store.url_of(rel)} is not a served pass ({type(e).__name__}: {e}); serving it again")
+        return None
+
+
+def _write(store: ArtifactStore, served: ServedPass, log: Callable[[str], None]) -> None:
+    rel = f"{PASSES_DIR}/{served.key}.json"
+    try:
+        store.write_json(rel, {"result": served.result.to_json(), "plain_tokens_per_s": served.plain_tokens_per_s})
+    except (Eagle3Error, OSError) as e:  # the figures are in hand: only their reuse is lost
+        log(f"drafter_eval: this pass is not kept at {store.url_of(rel)} ({e}); a later eval serves it again")
+
+
+def prune(store: ArtifactStore, log: Callable[[str], None]) -> int:
+    """Remove the kept passes no family's report names (`REPORT_KEYS`); returns how many."""
+    named: set[str] = set()
+    for family in FAMILIES.values():
+        rel = f"{family.root}/{EVAL_REPORT_FILE}".lstrip("/")
+        if store.exists(rel):
+            named.update((store.read_json(rel).get(REPORT_KEYS) or {}).values())
+    stale = [n for n in store.listdir(PASSES_DIR) if n.removesuffix(".json") not in named]
+    for name in stale:
+        try:
+            store.remove(f"{PASSES_DIR}/{name}")
+        except OSError as e:
+            log(f"drafter_eval: cannot remove {store.url_of(f'{PASSES_DIR}/{name}')} ({e})")
+            return 0
+    return len(stale)
