@@ -69,6 +69,9 @@ def test_a_killed_cli_shard_run_does_not_wedge_the_gpu_pool(tmp_path, tiny_targe
         assert f"run {dead.run_id} (__ASSET_JOB [rows_0-20]): its process (pid {dead.tags['eagle3/pid']}) is gone; " \
                "marked failed and its pool slots freed" in said
         assert instance.event_log_storage.get_concurrency_info("gpu").claimed_slots == []
+        # A run of one step runs it in the run's own process: no second interpreter importing it all again.
+        assert f"Executing steps in process (pid: {rerun.tags['eagle3/pid']})" in said
+        assert not [m for m in said if m and "in subprocess" in m], said
     assert op.project.store.exists("hidden_states/rows_0-20/_SUCCESS.json")
 
 

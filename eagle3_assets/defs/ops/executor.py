@@ -17,6 +17,10 @@ pool slot, whether the run came from the CLI, the UI or the daemon. It
    is stopped by Ctrl-C or SIGTERM (a person, or the cluster, stopped it on purpose): the
    instance's `run_retries` must not start it again. Dagster decides when it stores the run's
    failure, from the run's tags, so the tag goes on first.
+6. runs the steps of a run that can only run one after another (one asset and its checks: a shard, the drafter, an
+   eval, as the daemon, a backfill and the UI launch them) in the run's own process, where Dagster's multiprocess
+   executor would start an interpreter per step, importing the code location, torch and transformers again (~5 CPU-s
+   each) beside a run process with nothing else to do.
 `execute_in_process` (tests, `make demo`) does not use the job's executor: `make demo`
 sweeps itself.
 """
@@ -24,6 +28,7 @@ sweeps itself.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import pairwise
 
 from dagster import (
     DagsterEvent,
@@ -32,6 +37,8 @@ from dagster import (
     ExecutorDefinition,
 )
 from dagster._core.events import EngineEventData  # DagsterEvent.engine_event requires one; it is not public
+from dagster._core.executor.in_process import InProcessExecutor  # what `multi_or_in_process_executor` makes
+from dagster._core.executor.multiprocess import MultiprocessExecutor
 
 from eagle3_assets.defs.failures import REFUSAL, refusal
 from eagle3_assets.defs.ops.runs import (
@@ -66,8 +73,11 @@ class RunStartSweep(Executor):
         gpu_steps = [s.key for s in execution_plan.get_all_steps_in_topo_order() if s.pool == GPU_POOL]
         if gpu_steps:
             yield from self._check_gpu_pool(plan_context, instance, gpu_steps)
+        inner = self.inner
+        if isinstance(inner, MultiprocessExecutor) and _one_after_another(execution_plan):
+            inner = InProcessExecutor(inner.retries, inner.step_dependency_config)
         try:
-            for event in self.inner.execute(plan_context, execution_plan):
+            for event in inner.execute(plan_context, execution_plan):
                 if _is_refusal(event):
                     _never_relaunch(instance, plan_context.run_id)
                 yield event
@@ -97,6 +107,12 @@ class RunStartSweep(Executor):
                 + ": this run's GPU steps wait until a slot is free",
                 EngineEventData(),
             )
+
+
+def _one_after_another(execution_plan) -> bool:  # noqa: ANN001 - Dagster's ExecutionPlan
+    """Each step to execute depends on the one before it: no two could ever run at once."""
+    steps = execution_plan.get_steps_to_execute_in_topo_order()
+    return all(before.key in step.get_execution_dependency_keys() for before, step in pairwise(steps))
 
 
 def _is_refusal(event: DagsterEvent) -> bool:
