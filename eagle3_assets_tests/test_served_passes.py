@@ -144,3 +144,12 @@ def test_prune_keeps_the_passes_a_family_report_names_and_removes_the_rest(tmp_p
     assert prune(store, print) == 2
     assert store.listdir(PASSES_DIR) == sorted(f"{passes[i].key}.json" for i in (0, 1, 3))
     assert prune(store, print) == 0
+    # A report that cannot be read names what it names all the same: nothing goes.
+    store.write_text(EVAL_REPORT_FILE, '{"served_passes": ')
+    store.child(DFLASH.root).write_json(EVAL_REPORT_FILE, {REPORT_KEYS: {}})
+    lines: list[str] = []
+    assert prune(store, lines.append) == 0 and len(store.listdir(PASSES_DIR)) == 3
+    assert lines == [
+        f"drafter_eval: {store.url_of(EVAL_REPORT_FILE)} cannot be read (Expecting value: line 1 column 19 (char 18)); "
+        "no kept pass is removed"
+    ]

@@ -65,7 +65,9 @@ def pass_key(context: Mapping[str, Any], run: Mapping[str, Any], drafters: dict[
     if "draft_dir" in run:
         drafters = {} if drafters is None else drafters
         directory = str(run["draft_dir"])
-        run["draft_dir"] = drafters.get(directory) or drafters.setdefault(directory, files_digest(Path(directory)))
+        if directory not in drafters:
+            drafters[directory] = files_digest(Path(directory))
+        run["draft_dir"] = drafters[directory]
     text = json.dumps({"context": context, "run": run}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -141,17 +143,25 @@ def _write(store: ArtifactStore, served: ServedPass, log: Callable[[str], None])
 
 
 def prune(store: ArtifactStore, log: Callable[[str], None]) -> int:
-    """Remove the kept passes no family's report names (`REPORT_KEYS`); returns how many."""
+    """Remove the kept passes no family's report names (`REPORT_KEYS`); returns how many. Nothing is removed while a
+    report cannot be read: what it names is not known."""
     named: set[str] = set()
     for family in FAMILIES.values():
         rel = f"{family.root}/{EVAL_REPORT_FILE}".lstrip("/")
-        if store.exists(rel):
-            named.update((store.read_json(rel).get(REPORT_KEYS) or {}).values())
-    stale = [n for n in store.listdir(PASSES_DIR) if n.removesuffix(".json") not in named]
-    for name in stale:
+        try:
+            if store.exists(rel):
+                named.update((store.read_json(rel).get(REPORT_KEYS) or {}).values())
+        except (Eagle3Error, ValueError, AttributeError) as e:
+            log(f"drafter_eval: {store.url_of(rel)} cannot be read ({e}); no kept pass is removed")
+            return 0
+    removed = 0
+    for name in store.listdir(PASSES_DIR):
+        if name.removesuffix(".json") in named:
+            continue
         try:
             store.remove(f"{PASSES_DIR}/{name}")
         except OSError as e:
             log(f"drafter_eval: cannot remove {store.url_of(f'{PASSES_DIR}/{name}')} ({e})")
-            return 0
-    return len(stale)
+            break
+        removed += 1
+    return removed
