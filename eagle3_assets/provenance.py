@@ -88,13 +88,16 @@ class Provenance:
     def made_from(self) -> str:
         return digest(asdict(self))
 
+    def changed_settings(self, now: Provenance) -> dict[str, tuple[Any, Any]]:
+        """Each setting whose value differs between this (recorded) provenance and `now`, by dotted name: (then, now),
+        `UNSET` where one side does not record it."""
+        names = sorted(set(self.settings) | set(now.settings))
+        pairs = {name: (self.settings.get(name, UNSET), now.settings.get(name, UNSET)) for name in names}
+        return {name: (a, b) for name, (a, b) in pairs.items() if a != b}
+
     def changes(self, now: Provenance) -> list[str]:
         """What differs between this (recorded) provenance and `now`, one phrase each, settings first."""
-        out = []
-        for name in sorted(set(self.settings) | set(now.settings)):
-            a, b = self.settings.get(name, _UNSET), now.settings.get(name, _UNSET)
-            if a != b:
-                out.append(f"setting {name}: {_short(a)} -> {_short(b)}")
+        out = [setting_change(name, a, b) for name, (a, b) in self.changed_settings(now).items()]
         for name in sorted(set(self.inputs) | set(now.inputs)):
             a, b = self.inputs.get(name, "none"), now.inputs.get(name, "none")
             if a != b:
@@ -104,11 +107,16 @@ class Provenance:
         return out
 
 
-_UNSET = object()  # a field one side does not record (at its `RECORDED_SINCE` value, or not read then)
+UNSET = object()  # a field one side does not record (at its `RECORDED_SINCE` value, or not read then)
+
+
+def setting_change(name: str, then: Any, now: Any) -> str:
+    """A changed setting as every message says it: "setting shard_size: 20 -> 15"."""
+    return f"setting {name}: {_short(then)} -> {_short(now)}"
 
 
 def _short(value: Any) -> str:
-    if value is _UNSET:
+    if value is UNSET:
         return "(unset)"
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 80 else text[:77] + "..."

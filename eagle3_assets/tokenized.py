@@ -18,14 +18,16 @@ an end-of-turn it did not produce.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from eagle3_assets.errors import Refusal
-from eagle3_assets.provenance import bytes_digest
+from eagle3_assets.provenance import bytes_digest, setting_change
 from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.storage import ArtifactStore
 
@@ -138,6 +140,13 @@ class TokenizedSet:
 
 # The settings a row plan is made under: another value of any places every row again.
 PLAN_SETTINGS = ("shard_size", "training.mode", "training.seed")
+
+
+def replan_reason(changed: Mapping[str, tuple[Any, Any]]) -> str | None:
+    """Why every row is placed again, when settings that cut the plan (`PLAN_SETTINGS`) are among those `changed`
+    since the set in the store was made (`Provenance.changed_settings`: name -> (then, now)); None when none is."""
+    moved = [setting_change(name, *changed[name]) for name in PLAN_SETTINGS if name in changed]
+    return f"{'; '.join(moved)}: every row is placed again and every shard is cut again" if moved else None
 
 
 @dataclass(frozen=True)

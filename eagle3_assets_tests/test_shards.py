@@ -91,3 +91,17 @@ def test_a_shard_directory_made_before_provenance_is_made_again_saying_so_and_wh
     ]
     assert store.listdir("hidden_states/rows_0-2") == ["_PROVENANCE.json"]
     assert claim_dir(store, "hidden_states/rows_0-2", want) == []
+
+
+def test_the_plan_is_cut_again_only_for_the_settings_that_cut_it_each_named_with_its_values():
+    from eagle3_assets.provenance import UNSET, Provenance
+    from eagle3_assets.tokenized import replan_reason
+
+    then = Provenance("tokenized", {"shard_size": 20, "max_seq_len": 256}, {"responses": "a"}, 1)
+    assert replan_reason(then.changed_settings(Provenance("tokenized", {**then.settings, "max_seq_len": 512}, {}, 1))) is None
+    now = Provenance("tokenized", {"shard_size": 15, "max_seq_len": 512, "training.seed": 3}, {"responses": "b"}, 1)
+    assert then.changed_settings(now) == {"max_seq_len": (256, 512), "shard_size": (20, 15), "training.seed": (UNSET, 3)}
+    assert replan_reason(then.changed_settings(now)) == (
+        "setting shard_size: 20 -> 15; setting training.seed: (unset) -> 3: every row is placed again and every shard "
+        "is cut again"
+    )

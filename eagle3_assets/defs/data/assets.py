@@ -44,11 +44,11 @@ from eagle3_assets.shards import Shard, plan_shards
 from eagle3_assets.target import load_tokenizer, stop_token_ids
 from eagle3_assets.traffic import TRAFFIC_PROMPTS_FILE, LoggedReplies, read_replies
 from eagle3_assets.tokenized import (
-    PLAN_SETTINGS,
     TOKENIZED_FILE,
     TokenizedSet,
     plan_rows,
     remove_stale_shard_dirs,
+    replan_reason,
     tokenize_responses,
 )
 from eagle3_assets.drafter.imported_release import adopted_vocab_map, install_start_from
@@ -296,10 +296,8 @@ def tokenized(context: AssetExecutionContext, project: ResourceParam[Project]) -
     row_order = f"shuffled (seed {seed})" if seed is not None else "responses"
     before, previous, replan = read_record(store, "tokenized"), None, None
     if before is not None and store.exists(TOKENIZED_FILE):
-        moved = [c for c in before.provenance.changes(want) if c.split(":")[0] in {f"setting {f}" for f in PLAN_SETTINGS}]
-        if moved:
-            replan = f"{'; '.join(moved)}: every row is placed again and every shard is cut again"
-        else:
+        replan = replan_reason(before.provenance.changed_settings(want))
+        if replan is None:
             with failures("tokenized"):
                 previous = TokenizedSet.load(store)
     plan = plan_rows(tset, settings.shard_size, seed, previous, replan)
