@@ -102,10 +102,19 @@ def test_what_determines_a_pass_changes_its_key_and_only_the_passes_it_changes_a
         engine = Engine(runs)
         serve_or_reuse(store, runs, CONTEXT | changed, engine, print)
         assert engine.served == [0, 1, 2, 3, 4], changed
-    # None: every pass served again.
+    # Reuse off: every pass served again, and kept under its key for a later eval.
+    (export / "model.safetensors").write_bytes(b"third weights")
     engine = Engine(runs)
-    serve_or_reuse(store, runs, None, engine, print)
-    assert engine.served == [0, 1, 2, 3, 4]
+    fresh = serve_or_reuse(store, runs, CONTEXT, engine, print, reuse=False)
+    assert engine.served == [0, 1, 2, 3, 4] and not any(p.reused for p in fresh)
+    engine = Engine(runs)
+    assert all(p.reused for p in serve_or_reuse(store, runs, CONTEXT, engine, print)) and engine.served == []
+    # Nothing to key a pass by (no target version): every pass served, none kept.
+    kept = set(store.listdir(PASSES_DIR))
+    engine = Engine(runs)
+    unkeyed = serve_or_reuse(store, runs, None, engine, print)
+    assert engine.served == [0, 1, 2, 3, 4] and [p.key for p in unkeyed] == [""] * 5
+    assert set(store.listdir(PASSES_DIR)) == kept
 
 
 def test_an_eval_that_dies_mid_way_keeps_its_finished_passes_and_serves_the_rest_with_a_plain_pass(tmp_path):

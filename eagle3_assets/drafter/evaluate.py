@@ -543,7 +543,7 @@ def serve_passes(
         "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
         "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
     }  # fmt: skip
-    context = pass_context(store, prompt_ids, common) if settings.evaluation.reuse_passes else None
+    context = pass_context(store, prompt_ids, common)
 
     def serve(todo: list[int], on_result: Callable[[int, GenerationResult], None]) -> list[GenerationResult]:
         asked = [labels[i] for i in todo]
@@ -557,13 +557,13 @@ def serve_passes(
             on_result=lambda i, r: (on_result(i, r), logger(i, r)), cpu_cores=settings.vllm.cpu_cores,
         )  # fmt: skip
 
-    passes = serve_or_reuse(store, runs, context, serve, log)
+    passes = serve_or_reuse(store, runs, context, serve, log, reuse=settings.evaluation.reuse_passes)
     if reused := [label for label, p in zip(labels, passes, strict=True) if p.reused]:
         log(
             f"drafter_eval: {len(reused)} of the {len(labels)} passes served before from the same target, prompts, "
             f"drafter and engine, their figures read from {store.url_of(PASSES_DIR)}: {', '.join(reused)}"
         )
-    report.served_passes = {label: p.key for label, p in zip(labels, passes, strict=True)}
+    report.served_passes = {label: p.key for label, p in zip(labels, passes, strict=True) if p.key}
     report.passes_reused = reused
     plain, *speculative = passes
     served.plain_outputs = plain.result.outputs

@@ -80,7 +80,7 @@ def prompts_digest(prompt_ids: Sequence[Sequence[int]], groups: Sequence[str]) -
 class ServedPass:
     result: GenerationResult
     plain_tokens_per_s: float  # the plain pass's decode rate in the interpreter that served this one
-    key: str
+    key: str  # its entry in `PASSES_DIR` ("" when the eval had nothing to key passes by)
     reused: bool  # read from the store, not served by this eval
 
 
@@ -93,13 +93,16 @@ def serve_or_reuse(
     context: Mapping[str, Any] | None,
     serve: Serve,
     log: Callable[[str], None],
+    *,
+    reuse: bool = True,
 ) -> list[ServedPass]:
     """Each of `runs` (the first the plain pass) read from the store when kept there under its key, else served:
     `serve(indexes, on_result)` serves the runs at `indexes` (the plain pass first) in one interpreter, calling
-    `on_result(j, result)` as the j-th of them finishes. `context` None serves every run again (and keeps them)."""
+    `on_result(j, result)` as the j-th of them finishes, and each is kept. `reuse` False serves every run again (and
+    keeps them, for later evals); `context` None (nothing to key a pass by) serves every run and keeps none."""
     drafters: dict[str, str] = {}
-    keys = [pass_key(context or {}, run, drafters) for run in runs]
-    kept: list[ServedPass | None] = [None if context is None else _read(store, key, log) for key in keys]
+    keys = ["" if context is None else pass_key(context, run, drafters) for run in runs]
+    kept: list[ServedPass | None] = [_read(store, key, log) if key and reuse else None for key in keys]
     todo = [i for i, p in enumerate(kept) if p is None]
     if todo and todo[0] != 0:  # the fresh passes' speedups are measured against a plain pass of their interpreter
         todo.insert(0, 0)
@@ -112,7 +115,8 @@ def serve_or_reuse(
             plain_rate.append(result.decode_tokens_per_s)
         i = todo[j]
         kept[i] = ServedPass(result, plain_rate[0], keys[i], reused=False)
-        _write(store, kept[i], log)
+        if keys[i]:
+            _write(store, kept[i], log)
 
     serve(todo, on_result)
     if missing := [i for i, p in enumerate(kept) if p is None]:
