@@ -8,7 +8,8 @@ it is `expiry_s` old, or at once when the holder is a process of the same machin
 (a rerun right after a SIGKILL need not wait out the expiry).
 
 fsspec stores have no compare-and-swap, so taking a lease is: write it (atomically, by rename),
-wait `settle_s`, read it back; the taker whose token is read back holds it, the other refuses.
+wait `settle_s` (2 s on object stores, 0.5 s on a filesystem path or in memory, where a write shows
+at once), read it back; the taker whose token is read back holds it, the other refuses.
 Two takers within one settle window both see the later writer's token, so one of them wins. The
 holder checks before every write it publishes (`Lease.check`, the store's write guard): the file
 must still carry its token, and its own last renewal must be younger than `expiry_s`, so a holder
@@ -31,6 +32,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
+from eagle3_assets.crash_points import crash_point
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.processes import machine_id, process_alive
 from eagle3_assets.storage import ArtifactStore, StoreError
@@ -39,7 +41,8 @@ LEASE_FILE = "_LEASE.json"
 RUN_ID_ENV = "EAGLE3_RUN_ID"  # the Dagster run a process works for, named in the leases it takes
 EXPIRY_S = 60.0
 HEARTBEAT_S = 10.0
-SETTLE_S = 2.0
+SETTLE_S = 2.0  # object stores: the delay within which every reader sees a write
+LOCAL_SETTLE_S = 0.5  # a filesystem path or memory, which show a write at once: the gap between a taker's read and write
 READ_EVERY_S = 1.0
 
 
@@ -89,11 +92,13 @@ class Lease:
         *,
         expiry_s: float = EXPIRY_S,
         heartbeat_s: float = HEARTBEAT_S,
-        settle_s: float = SETTLE_S,
+        settle_s: float | None = None,
     ):
         if heartbeat_s * 2 > expiry_s:
             raise ValueError(f"a heartbeat every {heartbeat_s:g}s must fit twice in the {expiry_s:g}s expiry")
         self.store, self.rel = store, f"{rel_dir.rstrip('/')}/{LEASE_FILE}"
+        if settle_s is None:
+            settle_s = LOCAL_SETTLE_S if store.shows_writes_at_once else SETTLE_S
         self.expiry_s, self.heartbeat_s, self.settle_s = expiry_s, heartbeat_s, settle_s
         now = time.time()
         self.me = Holder(socket.gethostname(), os.getpid(), run_id, now, now, uuid.uuid4().hex, machine_id())
@@ -145,6 +150,7 @@ class Lease:
         wrote_at = _clock()
         self._write()
         try:
+            crash_point(f"lease:{self.rel}:settling")
             time.sleep(self.settle_s)
             back = self.read()
         except BaseException:  # a stop signal while it settles: no lease file of a process that is leaving

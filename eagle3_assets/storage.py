@@ -41,6 +41,7 @@ from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from eagle3_assets.crash_points import crash_point
 from eagle3_assets.errors import Eagle3Error, Refusal
@@ -129,6 +130,12 @@ class ArtifactStore:
     @property
     def is_local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def shows_writes_at_once(self) -> bool:
+        """Whether a write is visible to the next read of any process at once: a filesystem path (a rename is seen by
+        the next open; on NFS, close-to-open) or memory; not an object store, whose reads may lag its writes."""
+        return isinstance(self.fs, LocalFileSystem | MemoryFileSystem)
 
     def path(self, rel: str) -> str:
         """The filesystem path of `rel` (what `self.fs` understands)."""
