@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +52,15 @@ def _forward(console: Path, offset: int) -> int:
         sys.stdout.write(chunk.decode(errors="replace"))
         sys.stdout.flush()
     return offset + len(chunk)
+
+
+def _ended(proc: subprocess.Popen, within_s: float) -> bool:
+    """Whether `proc` ended within `within_s`: returns as soon as it does, not at the end of a poll interval."""
+    try:
+        proc.wait(within_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -108,8 +116,7 @@ def train_with_torchrun(
             )  # fmt: skip
         offset = 0
         try:
-            while proc.poll() is None:
-                time.sleep(poll_s)
+            while not _ended(proc, poll_s):
                 offset = _forward(console, offset)
                 seen = _observe(context, session.get_custom_messages(), seen)
                 watch()
