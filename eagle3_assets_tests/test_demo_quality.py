@@ -45,6 +45,7 @@ from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.demo.target import read_build_info
 from eagle3_assets.drafter.vllm_eval import (
     generate_in_subprocess,
     generate_runs_in_subprocess,
@@ -63,6 +64,7 @@ from eagle3_assets.tokenized import TOKENIZED_FILE, TokenizedSet
 from eagle3_assets.vocab_map import VOCAB_MAP_FILE, VocabMap
 
 from .helpers import REPO
+from .test_demo_target import UNTRAINED_FACT_VALUES
 
 # The module fixture runs the whole demo inside the first test's budget: the small one takes
 # minutes, the full one ~6-11 min on a quiet 2-core machine and over twice that on a shared one.
@@ -210,6 +212,17 @@ def side_store(demo, name: str, tmp_path_factory) -> Project:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(project.store.local_path(rel), root / rel)
     return Project(project.settings, ArtifactStore(root))
+
+
+def test_the_demo_target_trained_briefly_recalls_facts(demo):
+    """The target the demo builds, trained briefly (600 steps small, the demo's own full), recalls the world's facts:
+    its logits are peaked, so the drafter has something to learn and greedy decoding has no near-ties. Measured:
+    attribute values 0.899 small (untrained 0.002, test_demo_target.py), loss 0.36."""
+    project, _ = demo
+    info = read_build_info(project.target_dir())
+    assert info.train_steps == project.settings.demo.train_steps
+    assert info.fact_value_accuracy > 10 * UNTRAINED_FACT_VALUES  # 0.5: ten times an untrained target's at most
+    assert info.train_loss < 1.0
 
 
 def test_served_drafter_meets_the_acceptance_bar_and_reads_the_target(demo):

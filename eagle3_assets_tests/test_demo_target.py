@@ -40,6 +40,9 @@ from eagle3_assets.provenance import target_identity
 from eagle3_assets.settings import DemoSettings
 
 
+UNTRAINED_FACT_VALUES = 0.05  # an untrained target's recall of attribute values is below this
+
+
 def demo_settings(**overrides) -> DemoSettings:
     # model_construct: settings.py bounds train_steps at >= 1, and the untrained build needs 0.
     return DemoSettings.model_construct(**(DemoSettings().model_dump() | overrides))
@@ -378,12 +381,9 @@ def test_invalid_settings_are_named_and_leave_nothing(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow
-def test_brief_training_recalls_facts_far_above_an_untrained_model(tmp_path: Path):
+def test_an_untrained_target_recalls_no_facts(tmp_path: Path):
+    """What brief training is measured against: the trained demo target's recall is asserted on the target the demo
+    itself builds (test_demo_quality.py, `test_the_demo_target_trained_briefly_recalls_facts`)."""
     untrained = build_demo_target(tmp_path / "untrained", demo_settings(train_steps=0), log=lambda _: None)
-    trained = build_demo_target(tmp_path / "trained", demo_settings(train_steps=400), log=lambda _: None)
-    # Measured: untrained 0.002 of attribute values; 400 steps about 0.9 (and the loss well under 1).
-    assert untrained.fact_value_accuracy < 0.05
-    assert trained.fact_value_accuracy > 0.5
-    assert trained.train_loss < 1.0
-    assert trained.fact_value_accuracy > 10 * max(untrained.fact_value_accuracy, 0.01)
+    assert untrained.fact_value_accuracy < UNTRAINED_FACT_VALUES  # measured: 0.002 of attribute values
+    assert untrained.train_loss is None
