@@ -31,9 +31,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE, RELEASE_DIR, RELEASE_JUDGED
+from eagle3_assets.artifacts import ARTIFACTS, RECORDED_SINCE, RELEASE_DIR
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.file_digests import DIGESTS, FileDigests
+from eagle3_assets.release_record import RELEASE_RECORD_FILE, ReleaseRecord
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore, StoreError
 
@@ -415,12 +416,12 @@ class Inputs:
         eval (`judged`, the same eval made from the same inputs) is the one that eval was served beside: its own
         promotion never makes it due, only another family's promotion, or another eval's, does."""
         if "release" not in self._outside:
-            rel = f"{self.store.settled_rel(RELEASE_DIR)}/release.json"
+            rel = f"{self.store.settled_rel(RELEASE_DIR)}/{RELEASE_RECORD_FILE}"
             try:
                 body = self.store.read_bytes(rel)
-                record = json.loads(body)
-                self._outside["release"] = str(record.get("export_sha256") or bytes_digest(body))
-                self._judged = dict(record.get(RELEASE_JUDGED) or {})
+                record = ReleaseRecord.from_json(json.loads(body))
+                self._outside["release"] = record.export_sha256 or bytes_digest(body)
+                self._judged = record.judged
             except StoreError:
                 self._outside["release"] = "none"
             except (ValueError, AttributeError, TypeError):

@@ -42,7 +42,7 @@ from eagle3_assets.drafter.evaluate import load_eval_prompts, token_class_accura
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.model import DrafterConfig
-from eagle3_assets.drafter.release import RELEASE_RECORD, export_digest
+from eagle3_assets.drafter.release import export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.demo.target import read_build_info
@@ -55,6 +55,7 @@ from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.shard import extract_shard
 from eagle3_assets.project import DEMO_MODEL_DIR, Project
 from eagle3_assets.responses import read_responses
+from eagle3_assets.release_record import RELEASE_RECORD
 from eagle3_assets.settings import CONFIG_ENV, Settings, TrainingSettings, demo_settings
 from eagle3_assets.shard_window import write_check_record
 from eagle3_assets.shards import plan_shards

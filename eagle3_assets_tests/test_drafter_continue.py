@@ -19,6 +19,7 @@ from eagle3_assets.drafter.release import RELEASE_DIR
 from eagle3_assets.drafter.run import train_and_export
 from eagle3_assets.drafter.sources import continuation_steps, continued_data
 from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.release_record import ReleaseRecord
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
@@ -30,7 +31,7 @@ RELEASED_ON = {
     "family": "eagle3", "target": "t1", "vocab_map": "v1", "settings": SETTINGS,
     "shards": {"rows_0-16": "a", "rows_16-32": "b"}, "continued_from": None,
 }  # fmt: skip
-RELEASE = {"family": "eagle3", "target": "t1", "export_sha256": "f" * 64}
+RELEASE = ReleaseRecord(family="eagle3", target="t1", export_sha256="f" * 64)
 
 
 def now(**changes) -> dict:
@@ -76,12 +77,12 @@ def test_in_rolling_mode_the_family_not_released_continues_its_own_export_and_ex
     (it admits a shard once every family consumed those before it) kept the continuing family's new shard out until
     that family failed after training.shard_wait_s. It now continues its own last export on the new shards alone."""
     from eagle3_assets.drafter.continuation import plan_continuation
-    from eagle3_assets.drafter.release import RELEASE_RECORD
+    from eagle3_assets.release_record import RELEASE_RECORD
     from eagle3_assets.shard_window import Window, consumed_path, record_consumed
 
     store = ArtifactStore(tmp_path / "store")
     dflash_on = {**RELEASED_ON, "family": "dflash", "settings": {**SETTINGS, "family": {"dflash": {"block_size": 8}}}}
-    store.write_json(RELEASE_RECORD, RELEASE)
+    store.write_json(RELEASE_RECORD, RELEASE.to_json())
     store.write_json(f"{RELEASE_DIR}/{TRAINED_ON_FILE}", RELEASED_ON)
     dflash_export = f"families/dflash/{EXPORT_DIR}"
     store.write_json(f"{dflash_export}/{TRAINED_ON_FILE}", dflash_on)

@@ -23,8 +23,9 @@ from eagle3_assets.drafter.continuation import ContinuationPlan, continuation_pl
 from eagle3_assets.drafter.imported_release import install_release, install_start_from, start_from
 from eagle3_assets.drafter.importing import import_drafter
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.drafter.release import RELEASE_DIR, export_digest
 from eagle3_assets.provenance import Provenance, Record, write_record
+from eagle3_assets.release_record import IMPORTED, RELEASE_RECORD
 from eagle3_assets.settings import Settings, SettingsError, parse_settings
 from eagle3_assets.storage import ArtifactStore
 

@@ -17,12 +17,13 @@ from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.family import Eagle3
 from eagle3_assets.drafter.imported_release import adopted_vocab_map, import_differences, start_from
-from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, target_version
+from eagle3_assets.drafter.release import RELEASE_DIR, target_version
 from eagle3_assets.drafter.run import import_fit, run_plan, train_and_export
 from eagle3_assets.drafter.sources import continued_data
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.families import EAGLE3
 from eagle3_assets.hidden_states.integrity import check_shard
+from eagle3_assets.release_record import IMPORTED, RELEASE_RECORD
 from eagle3_assets.settings import TrainingSettings
 from eagle3_assets.shard_window import write_check_record
 from eagle3_assets.shards import Shard

@@ -423,7 +423,7 @@ def test_start_from_makes_the_first_drafter_a_continuation_of_the_published_one(
 
     from eagle3_assets.drafter.export import export_drafter
     from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
-    from eagle3_assets.drafter.release import IMPORTED, RELEASE_RECORD
+    from eagle3_assets.release_record import IMPORTED, RELEASE_RECORD
     from eagle3_assets.drafter.run import run_plan
     from eagle3_assets.families import EAGLE3
     from eagle3_assets.vocab_map import VocabMap

@@ -27,7 +27,8 @@ from eagle3_assets.defs.drafter.assets import (
 from eagle3_assets.defs.drafter.automation import drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.provenance import Staleness, StartDoor, materialized
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
-from eagle3_assets.drafter.release import EVALUATED_SHA256, RELEASE_RECORD, RELEASED, export_digest, release_digest
+from eagle3_assets.drafter.release import EVALUATED_SHA256, RELEASED, export_digest, release_digest
+from eagle3_assets.release_record import RELEASE_RECORD
 from eagle3_assets.families import FamilySpec, family_spec
 from eagle3_assets.project import Project
 from eagle3_assets.start import GraphStart

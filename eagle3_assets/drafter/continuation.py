@@ -28,10 +28,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
-from eagle3_assets.drafter.release import IMPORTED, PROMOTION_LEASE_DIR, RELEASE_DIR, RELEASE_RECORD, export_digest
+from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR, RELEASE_DIR, export_digest
 from eagle3_assets.families import FamilySpec
 from eagle3_assets.leases import settled
 from eagle3_assets.provenance import settings_read
+from eagle3_assets.release_record import ReleaseRecord, read_release_record
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -95,7 +96,7 @@ def _differences(released: Any, now: Any, prefix: str) -> list[str]:
 
 
 def continuation_plan(
-    release: Mapping[str, Any] | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any],
+    release: ReleaseRecord | None, released_on: Mapping[str, Any] | None, now: Mapping[str, Any],
     import_differences: Sequence[str] | None = None,
 ) -> ContinuationPlan:  # fmt: skip
     """Continue from the release (`release.json`, its `trained_on.json`) or train from scratch, and why: continue
@@ -109,8 +110,8 @@ def continuation_plan(
 
     if release is None:
         return scratch("nothing is released")
-    if imported := release.get(IMPORTED):
-        return imported_plan(release, imported, now, import_differences)
+    if release.imported:
+        return imported_plan(release, now, import_differences)
     if released_on is None:
         return scratch(
             f"the release has no {TRAINED_ON_FILE} (released before exports recorded what they were trained on)"
@@ -133,48 +134,45 @@ def continuation_plan(
     new = [k for k in shards if k not in old]
     if not new:
         return scratch("no shard was added since the release")
-    return ContinuationPlan(True, "", str(release.get("export_sha256", "")), list(old), new)
+    return ContinuationPlan(True, "", release.export_sha256, list(old), new)
 
 
-def imported_plan(
-    release: Mapping[str, Any], imported: Mapping[str, Any], now: Mapping[str, Any], differences: Sequence[str] | None
-) -> ContinuationPlan:
+def imported_plan(release: ReleaseRecord, now: Mapping[str, Any], differences: Sequence[str] | None) -> ContinuationPlan:
     """Continue an imported release on every shard (module docstring), or train from scratch naming why;
     `differences`: how it differs from the drafter the family builds (`imported_release.import_differences`)."""
+    imported = release.imported
     what = f"the release is imported from {imported.get('source')} ({imported.get('format')} format)"
-    if release.get("family") != now["family"]:
-        return ContinuationPlan(False, f"family: release {release.get('family')!r}, now {now['family']!r} ({what})")
-    if release.get("target") != now["target"]:
-        return ContinuationPlan(False, f"target: release {release.get('target')!r}, now {now['target']!r} ({what})")
+    if release.family != now["family"]:
+        return ContinuationPlan(False, f"family: release {release.family!r}, now {now['family']!r} ({what})")
+    if release.target != now["target"]:
+        return ContinuationPlan(False, f"target: release {release.target!r}, now {now['target']!r} ({what})")
     if differences is None or differences:
         found = "; ".join(differences) if differences else "not compared with the drafter this family builds"
         return ContinuationPlan(False, f"{what}, and its weights do not load into the drafter trained now: {found}")
     if not now["shards"]:
         return ContinuationPlan(False, f"{what}, and there is no shard to continue it on")
     provenance = {k: imported.get(k) for k in ("source", "format", "sha256")}
-    return ContinuationPlan(
-        True, "", str(release.get("export_sha256", "")), [], list(now["shards"]), imported=provenance
-    )  # fmt: skip
+    return ContinuationPlan(True, "", release.export_sha256, [], list(now["shards"]), imported=provenance)
 
 
-def read_release(store: ArtifactStore, *, owner: bool = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(release.json, the release's trained_on.json), each None when absent. A replacement a kill interrupted is
+def read_release(store: ArtifactStore, *, owner: bool = True) -> tuple[ReleaseRecord | None, dict[str, Any] | None]:
+    """(the release's record, its trained_on.json), each None when absent. A replacement a kill interrupted is
     finished first, never read half done, by its owner (the promotion: `leases.settled`), or by one process of a
     training job (`owner`, rank 0) in its stead when no promotion lives; the others wait for it."""
     if owner:
         settled(store, RELEASE_DIR, PROMOTION_LEASE_DIR)
     else:
         store.wait_settled(RELEASE_DIR)
-    if not store.exists(RELEASE_RECORD):
+    if (record := read_release_record(store)) is None:
         return None, None
     rel = f"{RELEASE_DIR}/{TRAINED_ON_FILE}"
-    return store.read_json(RELEASE_RECORD), store.read_json(rel) if store.exists(rel) else None
+    return record, store.read_json(rel) if store.exists(rel) else None
 
 
 def read_own_export(
     store: ArtifactStore, root: str, *, owner: bool = True
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """A family's last export as `read_release` gives the release: ({"export_sha256": its weights' sha256}, its
+) -> tuple[ReleaseRecord | None, dict[str, Any] | None]:
+    """A family's last export as `read_release` gives the release: (a record naming its weights' sha256, its
     trained_on.json), each None when absent; `root` is the family's directory (`Family.root`)."""
     out = store.child(root)
     if owner:
@@ -184,7 +182,7 @@ def read_own_export(
     rel = f"{EXPORT_DIR}/{TRAINED_ON_FILE}"
     if not out.exists(rel) or not out.exists(f"{EXPORT_DIR}/model.safetensors"):
         return None, None
-    return {"export_sha256": export_digest(out)}, out.read_json(rel)
+    return ReleaseRecord(export_sha256=export_digest(out)), out.read_json(rel)
 
 
 def plan_continuation(
@@ -196,7 +194,7 @@ def plan_continuation(
     all still on disk: a from-scratch run extracts nothing again. `import_differences`: how an imported release differs
     from the drafter this family builds, asked only of one."""
     release, released_on = read_release(store, owner=owner)
-    imported = release is not None and bool(release.get(IMPORTED)) and import_differences is not None
+    imported = release is not None and bool(release.imported) and import_differences is not None
     plan = continuation_plan(release, released_on, now, import_differences(store) if imported else None)
     if plan.continues or not rolling or released_on is None or released_on.get("family") == now["family"]:
         return plan

@@ -77,7 +77,6 @@ from eagle3_assets.drafter.prompt_sets import (
 from eagle3_assets.drafter.release import (
     PROMOTION_LEASE_DIR,
     RELEASE_DIR,
-    RELEASE_RECORD,
     RELEASED,
     other_target,
     target_version,
@@ -92,6 +91,7 @@ from eagle3_assets.families import EAGLE3, FamilySpec, family_spec
 from eagle3_assets.leases import settled
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
+from eagle3_assets.release_record import read_release_record
 from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids, stop_token_ids
@@ -331,10 +331,8 @@ def beside_drafters(
     out: dict[str, tuple[Path, str]] = {}
     if other := other_target(store, target_version(store)):
         log(f"drafter_eval: {other}: not served beside the new export")
-    elif store.exists(RELEASE_RECORD):
-        # Releases before families were EAGLE-3's.
-        family = family_spec(store.read_json(RELEASE_RECORD).get("family", EAGLE3.name))
-        out[RELEASED] = (served_copy(store, RELEASE_DIR, tmp / "release"), family.vllm_method)
+    elif (record := read_release_record(store)) is not None:
+        out[RELEASED] = (served_copy(store, RELEASE_DIR, tmp / "release"), family_spec(record.family).vllm_method)
     if settings.reference_drafter is not None:
         ref = Path(settings.reference_drafter)
         missing = [n for n in ("config.json", "model.safetensors") if not (ref / n).is_file()]

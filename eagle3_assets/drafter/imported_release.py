@@ -32,9 +32,10 @@ from eagle3_assets.drafter.export import checked_tensors, expected_export_tensor
 from eagle3_assets.drafter.import_formats import source_url
 from eagle3_assets.drafter.importing import Imported, import_drafter
 from eagle3_assets.drafter.model import DrafterConfig
-from eagle3_assets.drafter.release import IMPORTED, RELEASE_DIR, RELEASE_RECORD, target_version
+from eagle3_assets.drafter.release import RELEASE_DIR, target_version
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.families import EAGLE3
+from eagle3_assets.release_record import ReleaseRecord, read_release_record
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel
@@ -61,17 +62,11 @@ def install_release(store: ArtifactStore, imported: Imported, *, target_version:
     )
 
     def write_record(directory: Path) -> None:
-        record = {
-            "target": target_version,
-            "family": EAGLE3.name,
-            "acceptance": {},
-            "replaced": None,
-            "reason": reason,
-            "export": imported.source,
-            "export_sha256": hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest(),
-            IMPORTED: imported.provenance(),
-        }
-        (directory / "release.json").write_text(json.dumps(record, indent=2) + "\n")
+        ReleaseRecord(
+            target=target_version, family=EAGLE3.name, reason=reason, export=imported.source,
+            export_sha256=hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest(),
+            imported=imported.provenance(),
+        ).write(directory)  # fmt: skip
 
     publish_export(store, RELEASE_DIR, tensors, imported.export_config(), imported.dtype, write_extra=write_record)
     return Installed(True, reason, url)
@@ -80,14 +75,13 @@ def install_release(store: ArtifactStore, imported: Imported, *, target_version:
 def kept_release(store: ArtifactStore, source: str) -> str | None:
     """Why a drafter released in `store` stays (an import of `source` installs nothing); None when none is."""
     store.settle(RELEASE_DIR)  # a replacement a kill interrupted is finished, never read half done
-    if not store.exists(RELEASE_RECORD):
+    if (record := read_release_record(store)) is None:
         return None
-    record = store.read_json(RELEASE_RECORD)
     url = store.url_of(RELEASE_DIR)
-    if (record.get(IMPORTED) or {}).get("source") == source:
-        return f"{source} is already the release at {url} (imported, sha256 {record[IMPORTED].get('sha256')})"
+    if record.imported.get("source") == source:
+        return f"{source} is already the release at {url} (imported, sha256 {record.imported.get('sha256')})"
     return (
-        f"a drafter is released at {url} already ({record.get('reason', 'no reason recorded')}): an import starts a "
+        f"a drafter is released at {url} already ({record.reason}): an import starts a "
         f"store with none and never replaces a release; remove {url} to start from {source}"
     )
 
@@ -117,9 +111,8 @@ def install_start_from(store: ArtifactStore, settings: Settings, target: TargetM
 def imported_release(store: ArtifactStore) -> dict | None:
     """The release's `imported` provenance (source, format, sha256), None when the release is no import (or none is)."""
     store.settle(RELEASE_DIR)
-    if not store.exists(RELEASE_RECORD):
-        return None
-    return store.read_json(RELEASE_RECORD).get(IMPORTED) or None
+    record = read_release_record(store)
+    return (record.imported or None) if record is not None else None
 
 
 _NUMPY = {"I64": np.int64, "I32": np.int32, "BOOL": np.bool_}

@@ -34,16 +34,13 @@ approved that for this target (`evaluation.replace_release_for_target`); until t
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from eagle3_assets.artifacts import RELEASE_DIR, RELEASE_JUDGED
+from eagle3_assets.artifacts import RELEASE_DIR
 from eagle3_assets.drafter.eval_report import (
     ORIGINAL_SET,
-    PROMPT_SETS,
-    PROMPTS_BY_BIN,
     TRAFFIC_SET,
     ContextBins,
     Served,
@@ -54,12 +51,10 @@ from eagle3_assets.errors import Refusal
 from eagle3_assets.families import EAGLE3, family_spec
 from eagle3_assets.leases import settled
 from eagle3_assets.provenance import judged, read_record
+from eagle3_assets.release_record import ReleasedOn, ReleaseRecord, read_release_record
 from eagle3_assets.storage import ArtifactStore
 
-RELEASE_RECORD = f"{RELEASE_DIR}/release.json"
-RELEASE_ACCEPTANCE_BY_BIN = "acceptance_by_context_bin"  # in release.json, beside "acceptance"
 RELEASED = "released"  # the name `drafter_eval` reports the released drafter under, beside ours
-IMPORTED = "imported"  # in release.json of a published drafter imported as the release: where it came from
 # One promotion at a time decides and publishes: its lease lives beside the release, never in the directory it replaces.
 PROMOTION_LEASE_DIR = "drafter/promotion"
 # How a reason names each prompt set (`prompt_sets.py`).
@@ -94,11 +89,9 @@ def target_version(store: ArtifactStore) -> str:
 def other_target(store: ArtifactStore, target: str) -> str | None:
     """Why the released drafter is no baseline for an export of `target` (the version `target_version` gives): it
     was released for another target. None when it is one, or when nothing is released."""
-    if not store.exists(RELEASE_RECORD):
+    if (record := read_release_record(store)) is None:
         return None
-    # A release from before releases named their target stays the baseline, as it was: replacing a release is
-    # irreversible, a refused export is not (remove `drafter/release/` to release it).
-    released_for = store.read_json(RELEASE_RECORD).get("target", target)
+    released_for = record.target or target  # released before releases named their target: the baseline of any
     # A release made before targets were known by their bytes names the version the target's record had then; the
     # record keeps it (`provenance.sampled_version`), so the upgrade itself never drops a release.
     record = read_record(store, "target_model")
@@ -278,9 +271,9 @@ def export_digest(store: ArtifactStore, rel: str = EXPORT_DIR) -> str:
 def release_digest(store: ArtifactStore) -> str | None:
     """sha256 of the released drafter's weights (as `promote` recorded it, or read for a release made before), None
     when nothing is released: which release a report was served beside."""
-    if not store.exists(RELEASE_RECORD):
+    if (record := read_release_record(store)) is None:
         return None
-    return str(store.read_json(RELEASE_RECORD).get("export_sha256") or export_digest(store, RELEASE_DIR))
+    return record.export_sha256 or export_digest(store, RELEASE_DIR)
 
 
 def decide(
@@ -363,12 +356,13 @@ def _decide(
 def _released_now(store: ArtifactStore, report: ServedReport, family: str, on_sets: bool) -> Decision:
     """The report this release was promoted on (or its eval made again, beside itself): it was judged then, and every
     other family's eval was served beside it since (a change of release makes them due)."""
-    record = store.read_json(RELEASE_RECORD)
-    figures = record.get("acceptance") or {}
+    record = read_release_record(store)
+    assert record is not None, "a release of this export is there: its digest was read"
+    figures = record.released_on.acceptance
     released_on = ", ".join(f"k={k[1:]} {v:.3f}" for k, v in figures.items())
-    sets = record.get(PROMPT_SETS) or {}
+    sets = record.sets
     if on_sets and TRAFFIC_SET in sets and ORIGINAL_SET in sets:
-        released_on = _on_sets(sets[TRAFFIC_SET]["acceptance"], sets[ORIGINAL_SET]["acceptance"])
+        released_on = _on_sets(sets[TRAFFIC_SET].acceptance, sets[ORIGINAL_SET].acceptance)
     candidate = report.export.sets[TRAFFIC_SET].acceptance if on_sets else report.export.acceptance
     return Decision(
         True, f"the {family} export is the release (sha256 {report.export_sha256}): it stays, released on {released_on}",
@@ -390,12 +384,12 @@ def released_sets(store: ArtifactStore, report: ServedReport, family: str = EAGL
         )
     if beside.outputs_match_greedy:
         return beside.sets
-    recorded = store.read_json(RELEASE_RECORD).get(PROMPT_SETS) or {}
+    record = read_release_record(store)
+    recorded = record.sets if record is not None else {}
     out = {}
     for s, served in beside.sets.items():
-        bar = recorded.get(s) or {}
-        acceptance = {k: float((bar.get("acceptance") or {}).get(k, v)) for k, v in served.acceptance.items()}
-        out[s] = Served(acceptance, False, ContextBins.from_json(bar, acceptance_key=RELEASE_ACCEPTANCE_BY_BIN))
+        bar = recorded.get(s, ReleasedOn())
+        out[s] = Served({k: bar.acceptance.get(k, v) for k, v in served.acceptance.items()}, False, bar.bins)
     return out
 
 
@@ -423,8 +417,9 @@ def released_figures(
     if not beside.outputs_match_greedy:
         # It no longer serves greedily here (another engine, a changed kernel): its figures now are no measure, and a
         # baseline of 1.0 would let any working export replace it. It stays the bar it was released at.
-        recorded = store.read_json(RELEASE_RECORD).get("acceptance") or {}
-        return {k: float(recorded.get(k, v)) for k, v in beside.acceptance.items()}
+        record = read_release_record(store)
+        recorded = record.released_on.acceptance if record is not None else {}
+        return {k: recorded.get(k, v) for k, v in beside.acceptance.items()}
     return beside.acceptance
 
 
@@ -432,11 +427,9 @@ def released_bins(store: ArtifactStore, report: ServedReport) -> ContextBins | N
     """The released drafter's figures per context bin served beside the new export, as `released_figures` takes
     its whole-set ones: the bar it was released at when it no longer serves greedily here. Empty when it was served
     (or released) before bins existed; None when nothing is released."""
-    if not store.exists(RELEASE_RECORD) or (beside := report.beside.get(RELEASED)) is None:
+    if (record := read_release_record(store)) is None or (beside := report.beside.get(RELEASED)) is None:
         return None
-    if not beside.outputs_match_greedy:
-        return ContextBins.from_json(store.read_json(RELEASE_RECORD), acceptance_key=RELEASE_ACCEPTANCE_BY_BIN)
-    return beside.bins
+    return beside.bins if beside.outputs_match_greedy else record.released_on.bins
 
 
 def promote(
@@ -464,24 +457,19 @@ def promote(
                 f"the export at {source.url_of(EXPORT_DIR)} changed since drafter_eval served it (sha256 {copied}, "
                 f"served {report.export_sha256}): not released; rematerialize drafter_eval"
             )
-        record = {
-            "target": target,
-            "family": family,
-            "acceptance": decision.candidate,
-            PROMPTS_BY_BIN: report.export.bins.prompts,
-            RELEASE_ACCEPTANCE_BY_BIN: report.export.bins.acceptance,
+        ReleaseRecord(
+            target=target,
+            family=family,
+            released_on=ReleasedOn(decision.candidate, report.export.bins),
             # With `traffic` set: the figures on each prompt set, the bars when it no longer serves greedily.
-            **({PROMPT_SETS: {s: {"acceptance": f.acceptance, PROMPTS_BY_BIN: f.bins.prompts,
-                                  RELEASE_ACCEPTANCE_BY_BIN: f.bins.acceptance} for s, f in report.export.sets.items()}}
-               if report.export.sets else {}),
-            "replaced": decision.released,
-            "reason": decision.reason,
-            "export": source.url_of(EXPORT_DIR),
-            "export_sha256": report.export_sha256,
-            "report": report.about,
-            RELEASE_JUDGED: by,
-        }
-        (Path(tmp) / "release.json").write_text(json.dumps(record, indent=2) + "\n")
+            sets={s: ReleasedOn(f.acceptance, f.bins) for s, f in report.export.sets.items()},
+            replaced=decision.released,
+            reason=decision.reason,
+            export=source.url_of(EXPORT_DIR),
+            export_sha256=report.export_sha256,
+            report=report.about,
+            judged=by,
+        ).write(Path(tmp))
         store.put_dir(tmp, RELEASE_DIR)
     return store.url_of(RELEASE_DIR)
 

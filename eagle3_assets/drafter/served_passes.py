@@ -32,7 +32,7 @@ from typing import Any
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.export import TRAINED_ON_FILE
-from eagle3_assets.drafter.release import RELEASE_RECORD
+from eagle3_assets.release_record import RELEASE_RECORD_FILE
 from eagle3_assets.drafter.vllm_eval import GenerationResult
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.families import FAMILIES
@@ -42,7 +42,7 @@ PASSES_DIR = "served_passes"
 REPORT_KEYS = "served_passes"  # report.json: pass label -> the key of the entry its figures are (what `prune` keeps)
 # Files of a drafter directory that vLLM never reads: records written beside the weights (a release's own record, what
 # an export was trained on). Any other file counts, so a file a new family adds makes a new key, never a stale one.
-RECORDS = frozenset({RELEASE_RECORD.rsplit("/", 1)[-1], TRAINED_ON_FILE})
+RECORDS = frozenset({RELEASE_RECORD_FILE, TRAINED_ON_FILE})
 
 
 def files_digest(directory: Path) -> str:
