@@ -5,6 +5,7 @@ pass "served" is a result made from its arguments, so what was served and what w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,7 +14,14 @@ import pytest
 
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
-from eagle3_assets.drafter.served_passes import PASSES_DIR, REPORT_KEYS, files_digest, prune, serve_or_reuse
+from eagle3_assets.drafter.served_passes import (
+    PASSES_DIR,
+    REPORT_KEYS,
+    drafter_digests,
+    files_digest,
+    prune,
+    serve_or_reuse,
+)
 from eagle3_assets.drafter.vllm_eval import GenerationResult
 from eagle3_assets.families import DFLASH
 from eagle3_assets.storage import ArtifactStore
@@ -73,7 +81,10 @@ def test_a_pass_served_before_is_read_and_a_copy_of_the_export_released_is_the_s
     shutil.copytree(export, release)
     (release / "release.json").write_text('{"family": "eagle3"}')
     (release / "trained_on.json").write_text("{}")
-    assert files_digest(release) == files_digest(export)
+    assert drafter_digests(release) == drafter_digests(export)
+    # ... as a report names it (the weights alone), read in the same pass over the files as the key's digest
+    assert drafter_digests(release).weights == hashlib.sha256((export / "model.safetensors").read_bytes()).hexdigest()
+    assert drafter_digests(release).files == files_digest(export) != drafter_digests(release).weights
     runs = runs_for(export, release)
     engine = Engine(runs)
     again = serve_or_reuse(store, runs, CONTEXT, engine, lines.append)

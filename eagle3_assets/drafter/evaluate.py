@@ -30,7 +30,6 @@ length and the acceptance rate per draft position, the eval file named.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 import time
@@ -82,7 +81,14 @@ from eagle3_assets.drafter.release import (
     target_version,
 )
 from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, heldout_metrics
-from eagle3_assets.drafter.served_passes import PASSES_DIR, REPORT_KEYS, prompts_digest, prune, serve_or_reuse
+from eagle3_assets.drafter.served_passes import (
+    PASSES_DIR,
+    REPORT_KEYS,
+    drafter_digests,
+    prompts_digest,
+    prune,
+    serve_or_reuse,
+)
 from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
@@ -354,15 +360,6 @@ def served_copy(store: ArtifactStore, rel: str, dest: Path) -> Path:
     return dest
 
 
-def weights_sha256(directory: Path) -> str:
-    """sha256 of the drafter's weights in `directory` (`release.export_digest` of a copy): what was served."""
-    h = hashlib.sha256()
-    with open(directory / "model.safetensors", "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, max_tokens: int) -> float:
     """Engine loads plus decoding at the slowest rate accepted, for every pass: the timeout grows with the work."""
     return passes * (settings.engine_load_s + prompts * max_tokens / settings.min_tokens_per_s)
@@ -512,9 +509,10 @@ def serve_passes(
     k; their figures go to `served.report`, the plain outputs to `served.plain_outputs`. Returns the export served."""
     report, prompt_ids = served.report, served.prompt_ids
     export_dir = served_copy(out, EXPORT_DIR, tmp / "export")
-    report.export_sha256 = weights_sha256(export_dir)
     drafters = beside_drafters(store, settings.evaluation, tmp, log)
-    digests = {name: weights_sha256(d) for name, (d, _) in drafters.items()}
+    read = {str(d): drafter_digests(d) for d in [export_dir, *(d for d, _ in drafters.values())]}
+    report.export_sha256 = read[str(export_dir)].weights
+    digests = {name: read[str(d)].weights for name, (d, _) in drafters.items()}
     beside = [(name, d, method, k) for name, (d, method) in drafters.items() for k in SPECULATIVE_TOKENS]
     variants = [(k, zeroed) for k in SPECULATIVE_TOKENS for zeroed in (False, True)]
     labels = ["plain"] + [f"k={k}" + (" features zeroed" if zeroed else "") for k, zeroed in variants]
@@ -555,7 +553,8 @@ def serve_passes(
             on_result=lambda i, r: (on_result(i, r), logger(i, r)), cpu_cores=settings.vllm.cpu_cores,
         )  # fmt: skip
 
-    passes = serve_or_reuse(store, runs, context, serve, log, reuse=settings.evaluation.reuse_passes)
+    passes = serve_or_reuse(store, runs, context, serve, log, reuse=settings.evaluation.reuse_passes,
+                            drafters={d: digest.files for d, digest in read.items()})  # fmt: skip
     if reused := [label for label, p in zip(labels, passes, strict=True) if p.reused]:
         log(
             f"drafter_eval: {len(reused)} of the {len(labels)} passes served before from the same target, prompts, "

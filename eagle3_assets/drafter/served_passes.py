@@ -32,10 +32,10 @@ from typing import Any
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.export import TRAINED_ON_FILE
-from eagle3_assets.release_record import RELEASE_RECORD_FILE
 from eagle3_assets.drafter.vllm_eval import GenerationResult
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.families import FAMILIES
+from eagle3_assets.release_record import RELEASE_RECORD_FILE
 from eagle3_assets.storage import ArtifactStore
 
 PASSES_DIR = "served_passes"
@@ -43,19 +43,34 @@ REPORT_KEYS = "served_passes"  # report.json: pass label -> the key of the entry
 # Files of a drafter directory that vLLM never reads: records written beside the weights (a release's own record, what
 # an export was trained on). Any other file counts, so a file a new family adds makes a new key, never a stale one.
 RECORDS = frozenset({RELEASE_RECORD_FILE, TRAINED_ON_FILE})
+WEIGHTS_FILE = "model.safetensors"  # where vLLM loads a drafter's weights from
+
+
+@dataclass(frozen=True)
+class DrafterDigests:
+    weights: str  # sha256 of its `model.safetensors`: the drafter a report names (`release.export_digest` of a copy)
+    files: str  # sha256 over the files vLLM may load (names and bytes; `RECORDS` left out): what its passes are keyed by
+
+
+def drafter_digests(directory: Path) -> DrafterDigests:
+    """Both digests of the drafter in `directory`, in one read of its files (a drafter of a large target's vocabulary
+    is GBs): the same export, copied to a release, has the same digests."""
+    files, weights = hashlib.sha256(), hashlib.sha256()
+    if not (directory / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in the drafter directory {directory}")
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name not in RECORDS):
+        files.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                files.update(chunk)
+                if path.name == WEIGHTS_FILE:
+                    weights.update(chunk)
+        files.update(b"\0")
+    return DrafterDigests(weights.hexdigest(), files.hexdigest())
 
 
 def files_digest(directory: Path) -> str:
-    """sha256 over the drafter files in `directory` that vLLM may load (names and bytes; `RECORDS` left out): the
-    same export, copied to a release, has the same digest."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name not in RECORDS):
-        h.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
+    return drafter_digests(directory).files
 
 
 def pass_key(context: Mapping[str, Any], run: Mapping[str, Any], drafters: dict[str, str] | None = None) -> str:
@@ -95,13 +110,15 @@ def serve_or_reuse(
     log: Callable[[str], None],
     *,
     reuse: bool = True,
+    drafters: Mapping[str, str] | None = None,
 ) -> list[ServedPass]:
     """Each of `runs` (the first the plain pass) read from the store when kept there under its key, else served:
     `serve(indexes, on_result)` serves the runs at `indexes` (the plain pass first) in one interpreter, calling
     `on_result(j, result)` as the j-th of them finishes, and each is kept. `reuse` False serves every run again (and
-    keeps them, for later evals); `context` None (nothing to key a pass by) serves every run and keeps none."""
-    drafters: dict[str, str] = {}
-    keys = ["" if context is None else pass_key(context, run, drafters) for run in runs]
+    keeps them, for later evals); `context` None (nothing to key a pass by) serves every run and keeps none.
+    `drafters`: the `files_digest` of drafter directories already read, by directory."""
+    known = dict(drafters or {})
+    keys = ["" if context is None else pass_key(context, run, known) for run in runs]
     kept: list[ServedPass | None] = [_read(store, key, log) if key and reuse else None for key in keys]
     todo = [i for i, p in enumerate(kept) if p is None]
     if todo and todo[0] != 0:  # the fresh passes' speedups are measured against a plain pass of their interpreter
