@@ -272,21 +272,7 @@ def generate(
             labels = list(groups) if groups is not None else [""] * len(prompts)
             if len(labels) != len(prompts):
                 raise ValueError(f"{len(labels)} group labels for {len(prompts)} prompts")
-            outputs: list[list[int]] = [[] for _ in prompts]
-            gaps: list[list[float]] = [[] for _ in prompts]
-            by_group: dict[str, GenerationResult] = {}
-            for label in dict.fromkeys(labels):
-                members = [i for i, g in enumerate(labels) if g == label]
-                before = _spec_counters(llm.get_metrics())
-                started = time.perf_counter()
-                outs = llm.generate([token_prompts[i] for i in members], params, use_tqdm=False)
-                seconds = time.perf_counter() - started
-                counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
-                by_group[label] = GenerationResult.from_counters([list(o.outputs[0].token_ids) for o in outs], counters)
-                by_group[label].seconds = seconds
-                for i, o in zip(members, outs, strict=True):
-                    outputs[i] = list(o.outputs[0].token_ids)
-                    gaps[i] = [top_two_gap(lp) for lp in o.outputs[0].logprobs or []] if margins else []
+            outputs, gaps, by_group = _generate_by_group(llm, token_prompts, labels, params, margins)
         finally:
             # Stop the engine's worker process now, so the next engine in this process gets the CPU and memory.
             llm.llm_engine.engine_core.shutdown()
@@ -296,6 +282,29 @@ def generate(
     return replace(
         whole, outputs=outputs, margins=gaps if margins else [], by_group=by_group if groups is not None else {}
     )
+
+
+def _generate_by_group(
+    llm: Any, prompts: list[Any], labels: list[str], params: Any, margins: bool
+) -> tuple[list[list[int]], list[list[float]], dict[str, GenerationResult]]:
+    """Each group of prompts generated apart, so its acceptance is read from the engine's counters around it alone:
+    every prompt's output ids and top-two logprob gaps (`margins`), and each group's result."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    gaps: list[list[float]] = [[] for _ in prompts]
+    by_group: dict[str, GenerationResult] = {}
+    for label in dict.fromkeys(labels):
+        members = [i for i, g in enumerate(labels) if g == label]
+        before = _spec_counters(llm.get_metrics())
+        started = time.perf_counter()
+        outs = llm.generate([prompts[i] for i in members], params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        counters = _counter_delta(_spec_counters(llm.get_metrics()), before)
+        by_group[label] = GenerationResult.from_counters([list(o.outputs[0].token_ids) for o in outs], counters)
+        by_group[label].seconds = seconds
+        for i, o in zip(members, outs, strict=True):
+            outputs[i] = list(o.outputs[0].token_ids)
+            gaps[i] = [top_two_gap(lp) for lp in o.outputs[0].logprobs or []] if margins else []
+    return outputs, gaps, by_group
 
 
 def generate_in_subprocess(
