@@ -114,9 +114,9 @@ SIZES = {
             "demo": {"num_prompts": 1200, "train_steps": 600},
             "training": {"epochs": 8.0, "warmup_steps": 10, "checkpoint_every": 50, "heldout_rows": 32},
             # DFlash's own schedule: the demo's 16 epochs of 2 layers and every anchor cost ~0.9 CPU-s a step (its old
-            # recipe ~0.2, BENCHMARKS.md `dflash recipe`); 2 epochs (~40 steps) keep its training under a CPU-minute.
+            # recipe ~0.2, BENCHMARKS.md `dflash recipe`); one epoch (~20 steps) keeps its training to ~20 CPU-s.
             # Nothing here holds DFlash to a bar: it must serve greedy output and lose the release to EAGLE-3.
-            "dflash": {"epochs": 2.0},
+            "dflash": {"epochs": 1.0},
             "evaluation": {"max_new_tokens": 64},
         },
         shards=3, k3=1.8, k7=2.0, gain_k3=1.25, gain_k7=1.3, heldout_acc_0=0.55, over_untrained=0.45,
