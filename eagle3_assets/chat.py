@@ -20,14 +20,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2 import nodes
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.prompts import Prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 Message = dict[str, Any]
 

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.errors import Refusal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 ReasoningFormat = Literal["think", "harmony", "none"]
 THINK_TAGS = ("<think>", "</think>")

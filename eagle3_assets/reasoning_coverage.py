@@ -13,12 +13,14 @@ The figures say how much of the loss is reasoning.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.reasoning import ReasoningFormat, split_completion
 from eagle3_assets.tokenized import TokenizedSet
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 
 @dataclass

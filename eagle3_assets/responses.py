@@ -32,9 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.chat import ChatTemplateError, check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.errors import Eagle3Error
@@ -45,6 +43,9 @@ from eagle3_assets.provenance import digest
 from eagle3_assets.reasoning import ReasoningFormat, split_completion
 from eagle3_assets.settings import GenerationSettings
 from eagle3_assets.storage import ArtifactStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 PARTS_DIR = "responses/parts"
 RESPONSES_FILE = "responses/responses.jsonl"

@@ -27,9 +27,8 @@ import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import ChatTemplateError, TemplateKwargsError, check_template_kwargs, mode_label, render_text
 from eagle3_assets.generation.base import Generated, Generator
@@ -37,6 +36,9 @@ from eagle3_assets.prompts import Prompt, dump_prompts, parse_prompts
 from eagle3_assets.provenance import ProvenanceError, digest, source_digest
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.traffic_log import Dropped, LoggedCall, ReplyDecision, TrafficLogError, log_files, reply_decision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 TRAFFIC_PROMPTS_FILE = "traffic/prompts.jsonl"  # what `responses` generates from: the prompts and the log's training rows
 TRAFFIC_HELDOUT_FILE = "traffic/heldout.jsonl"  # the log's held-out prompts, never trained on

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import span_token_flags
 from eagle3_assets.drafter.data import collate
@@ -35,6 +35,9 @@ from eagle3_assets.drafter.target_head import TargetHead
 from eagle3_assets.drafter.ttt import ttt_forward
 from eagle3_assets.hidden_states.base import ExtractedSample
 from eagle3_assets.prompts import Prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 TOKEN_CLASSES = ("all", "template", "fact_prompt", "fact")
 
