@@ -1,9 +1,6 @@
 """What the drafter serving tests share (`test_drafter_vllm.py`, `test_dflash.py`): a confident tiny target with its
-greedy text in shards, and vLLM's drafting rounds replayed over our own model's predictions.
-
-On the target's own greedy text, a round whose newest token sits at index t + 1 accepts the drafts at index t while
-each equals the next greedy token, so replaying the rounds over the teacher-forced predictions gives the counters
-vLLM reports: they agree only when the export serves exactly what trained.
+greedy text in shards, and vLLM's drafting rounds replayed over our own model's predictions by the package's replay
+(`served_replay`, which drafter_eval runs on every eval): they agree only when the export serves exactly what trained.
 """
 
 from __future__ import annotations
@@ -14,6 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_assets.drafter.data import BatchLoader, index_samples
+from eagle3_assets.drafter.family import Family
+from eagle3_assets.drafter.served_replay import ReplayCheck, replay_served
+from eagle3_assets.drafter.vllm_eval import GenerationResult
+from eagle3_assets.hidden_states.base import ExtractedSample
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.vocab_map import VocabMap
 
@@ -47,20 +49,24 @@ def confident_target_with_text(
     return target_dir, ids, generated, store, keys, greedy_vocab_map(model, rows, draft=128)
 
 
-def replay_rounds(preds: list[torch.Tensor], input_ids: torch.Tensor, served: int) -> tuple[int, list[int]]:
-    """(drafts, accepted per position) vLLM reports serving `served` tokens per prompt, where `preds[a][i, t]` is
-    the target id our model drafts at position a of a round whose last verified index is t, on row i of
-    `input_ids` [B, T] (the greedy text)."""
-    k = len(preds)
-    drafts, accepted = 0, [0] * k
-    for i in range(input_ids.shape[0]):
-        ids = input_ids[i]
-        newest = PROMPT_LEN  # index of the newest token: the target's prefill output
-        while newest - PROMPT_LEN + 1 < served:  # the request is unfinished: draft a round
-            t, a = newest - 1, 0
-            drafts += 1
-            while a < k and preds[a][i, t] == ids[t + 2 + a]:
-                accepted[a] += 1
-                a += 1
-            newest += a + 1
-    return drafts, accepted
+def replayed(family: Family, model: torch.nn.Module, store: ArtifactStore, keys: list[str], spec: GenerationResult,
+             k: int, suspects: list[str] | None = None) -> ReplayCheck:  # fmt: skip
+    """vLLM's pass `spec` at k against the rounds `model` drafts on the shards' greedy text (`served_replay`, as
+    drafter_eval replays them), where every row is a prompt of `PROMPT_LEN` tokens and its greedy continuation."""
+    refs, _ = index_samples(store, keys)
+    batch = BatchLoader(store, refs, batch_tokens=10**6, seed=0).load(range(len(refs)))
+    samples = [
+        ExtractedSample(i, batch.input_ids[i, :n].numpy(), batch.aux[i, :n], batch.last[i, :n])
+        for i, n in enumerate(batch.lengths.tolist())
+    ]
+    return replay_served(family, model.eval(), samples, [PROMPT_LEN] * len(samples), {k: spec}, suspects or [])[0]
+
+
+def assert_served_as_replayed(check: ReplayCheck) -> None:
+    """vLLM's counters are the replay's, to a 1% margin: a near-tie argmax flipping on another CPU (they matched
+    exactly here). Feeding the wrong aux layers moved them by 3-4%."""
+    margin = max(1.0, 0.01 * check.replayed.drafts)
+    assert abs(check.served.drafts - check.replayed.drafts) <= margin, check.as_json()
+    for got, want in zip(check.served.accepted, check.replayed.accepted, strict=True):
+        assert abs(got - want) <= margin, check.as_json()
+    assert check.passed, check.describe()

@@ -204,6 +204,9 @@ def test_served_output_equals_greedy_and_beats_an_untrained_drafter(served):
     project, _, result = served
     report = project.store.read_json(EVAL_REPORT_FILE)
     assert report["mismatches"] == []
+    # Issue 54, item 3: vLLM's counters are the trained drafter's, replayed over the answers on the extraction
+    # backend's features (bf16 beside the HF fp32 of the test above), and the export says what trained (MLA too).
+    assert [(c["k"], c["passed"], c["suspects"]) for c in report["served_replay"]] == [(3, True, []), (7, True, [])]
     trained, untrained = report["mean_acceptance_length_k3"], result["mean_acceptance_length"]
     assert trained > untrained + 0.1, (trained, untrained)
 

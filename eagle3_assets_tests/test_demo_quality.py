@@ -36,7 +36,7 @@ from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 
 from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.crash_points import CRASH_ENV
-from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK
+from eagle3_assets.defs.drafter.assets import DRAFTER_RELEASE, RELEASE_CHECK, SERVED_CHECK, eval_key
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
 from eagle3_assets.drafter.evaluate import load_eval_prompts, token_class_accuracy
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
@@ -245,6 +245,9 @@ def test_the_family_serving_best_is_released_with_the_figures_it_served_and_the_
     for f, report in reports.items():
         assert report["outputs_match_greedy"] and report["mismatches"] == [], f
         assert report["decode_speedup_k3"] > 0 and report["decode_speedup_k7"] > 0, f  # measured, in the same run
+        # Issue 54, item 3: what vLLM served is each family's trained drafter, at both k, and its export says so.
+        assert [(c["k"], c["passed"], c["suspects"]) for c in report["served_replay"]] == [(3, True, []), (7, True, [])], f
+        assert report["served_replay"][1]["served_per_position"] == report["acceptance_per_position_k7"], f
     best = max(families, key=lambda f: reports[f]["mean_acceptance_length_k7"])
     other = next(f for f in families if f != best)
     report, record = reports[best], project.store.read_json(RELEASE_RECORD)
@@ -272,8 +275,10 @@ def test_the_family_serving_best_is_released_with_the_figures_it_served_and_the_
     assert {k: reports[other]["beside"]["released"][f"mean_acceptance_length_{k}"] for k in served} == served
     assert reports[best]["passes_reused"] == []
     gate = AssetCheckKey(DRAFTER_RELEASE, RELEASE_CHECK)
-    execution = instance.event_log_storage.get_latest_asset_check_execution_by_key([gate])[gate]
-    assert execution.status.value == "SUCCEEDED"
+    # Each family's eval proved what vLLM served is its trained drafter (issue 54, item 3), the gate after them.
+    checks = [gate] + [AssetCheckKey(eval_key(family_spec(f)), SERVED_CHECK) for f in families]
+    executions = instance.event_log_storage.get_latest_asset_check_execution_by_key(checks)
+    assert [executions[c].status.value for c in checks] == ["SUCCEEDED"] * 3
 
 
 def test_trained_drafter_is_far_above_an_untrained_one_on_heldout_acc_0(demo, answers, tmp_path_factory):

@@ -12,37 +12,28 @@ does at serving time.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from eagle3_assets.drafter.data import BatchLoader, index_samples
 from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.family import Eagle3
 from eagle3_assets.drafter.model import Eagle3Drafter
+from eagle3_assets.drafter.served_replay import SERVED_AS, trained_served_as
+from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.settings import TrainingSettings
-from eagle3_assets.storage import ArtifactStore
 
-from .drafter_serving import PROMPT_LEN, confident_target_with_text, replay_rounds
+from .drafter_serving import PROMPT_LEN, assert_served_as_replayed, confident_target_with_text, replayed
 from .helpers import target_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SERVED, EXTRA, K = 24, 4, 3
 NORM_FLAGS = {"norm_before_fc", "norm_before_residual", "norm_output"}
-
-
-@torch.no_grad()
-def replayed(model: Eagle3Drafter, store: ArtifactStore, keys: list[str]) -> tuple[int, list[int]]:
-    """(drafts, accepted per position) vLLM should report serving `SERVED` tokens per prompt: a round whose last
-    verified index is t proposes the unroll's step-k argmax at t."""
-    samples, _ = index_samples(store, keys)
-    batch = BatchLoader(store, samples, batch_tokens=10**6, seed=0).load(range(len(samples)))
-    logits = model.eval()(batch.input_ids, batch.aux.float(), K)
-    preds = [(lg.argmax(-1) + model.d2t[lg.argmax(-1)]) for lg in logits]  # [B, T] target ids per step
-    return replay_rounds(preds, batch.input_ids, SERVED)
+FAMILY = Eagle3(TrainingSettings())  # what drafts and is recorded; its settings play no part in either
 
 
 @pytest.fixture(scope="module")
@@ -69,22 +60,10 @@ def train_and_export(served_target, name: str, **options) -> tuple[Eagle3Drafter
     store.remove("drafter", recursive=True)
     result = train_drafter(store, keys, vmap=vmap, target=target_of(target_dir), settings=settings, log=lambda _: None)
     rel = f"exports/{name}"
+    served_as = FAMILY.served_as(result.config, result.aux_layer_ids)  # as the trainer records it (`run.py`)
     export_drafter(store, result.model.trainable_state_dict(), result.config, aux_layer_ids=result.aux_layer_ids,
-                   dtype="float32", rel=rel)  # fmt: skip
+                   dtype="float32", rel=rel, trained_on={SERVED_AS: served_as})  # fmt: skip
     return result.model, store.local_path(rel)
-
-
-def assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys) -> tuple[int, list[int]]:
-    """vLLM's counters are the ones our own model predicts: they agree only when aux layers, final
-    norm, alignment, rotary positions and scaling, the fed-back state, the norm placements and the
-    weight names all match what vLLM does. They matched exactly here; the 1% margin leaves room for
-    a near-tie argmax flipping on another CPU. Feeding the wrong aux layers moved them by 3-4%."""
-    drafts, accepted = replayed(model, store, keys)
-    margin = max(1.0, 0.01 * drafts)
-    assert abs(spec.num_drafts - drafts) <= margin, (spec.to_json(), drafts, accepted)
-    for got, want in zip(spec.accepted_per_position, accepted):
-        assert abs(got - want) <= margin, (spec.accepted_per_position, accepted, drafts)
-    return drafts, accepted
 
 
 @pytest.mark.timeout(1500)
@@ -111,7 +90,7 @@ def test_vllm_serves_the_export_greedy_and_accepts_the_predicted_drafts(served_t
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
     assert spec.mean_acceptance_length == 1 + spec.num_accepted_tokens / spec.num_drafts
     assert spec.mean_acceptance_length > 2.5, spec.to_json()
-    assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)
+    assert_served_as_replayed(replayed(FAMILY, model, store, keys, spec, K))
 
     assert zeroed.outputs == spec.outputs == ngram.outputs
     # The same drafter without the target features is accepted far less: vLLM feeds the
@@ -152,19 +131,44 @@ def test_every_recipe_option_serves_in_vllm_as_it_trained(served_target):
         config = json.loads((export_dir / "config.json").read_text())
         for flag in NORM_FLAGS:  # written out explicitly, as trained
             assert config[flag] is bool(OPTIONS[name].get(flag, False)), (name, flag)
+    # Issue 54, item 3: exports whose config tells vLLM another norm placement, or target layers off by one, than the
+    # ones that trained. (Measured here: vLLM accepted 0.22 and 0.34 at position 0 where the trained drafter replays
+    # 0.49 and 0.42; a flipped norm_output moved nothing past 0.01 on this target, so it is not one of them.)
+    misaligned = {"norm_before_fc": ("norm_before_fc+frozen_lm_head", False),
+                  "eagle_aux_hidden_state_layer_ids": ("norm_output+input_positions", [0, 1, 2])}  # fmt: skip
+    for field, (name, value) in misaligned.items():
+        shutil.copytree(trained[name][1], store.local_path(f"exports/misaligned-{field}"))
+        config_file = store.local_path(f"exports/misaligned-{field}/config.json")
+        config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {field: value}))
+    served = [*(d for _, d in trained.values()), *(store.local_path(f"exports/misaligned-{f}") for f in misaligned)]
     reported: list[int] = []  # each run as it finishes, before the interpreter exits
     results = generate_runs_in_subprocess(
-        target_dir, prompts,
-        [{"draft_dir": export_dir, "num_speculative_tokens": K} for _, export_dir in trained.values()],
+        target_dir, prompts, [{"draft_dir": d, "num_speculative_tokens": K} for d in served],
         common={"max_tokens": SERVED}, on_result=lambda i, _: reported.append(i),
     )  # fmt: skip
-    assert reported == list(range(len(trained)))
+    assert reported == list(range(len(served)))
     want = [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]
-    for (name, (model, _)), spec in zip(trained.items(), results, strict=True):
+    for (name, (model, _)), spec in zip(trained.items(), results[: len(trained)], strict=True):
         assert spec.outputs == want, name
         # A norm placement vLLM did not apply, or weights it read differently, would move its counters.
-        _, accepted = assert_vllm_accepts_what_our_model_predicts(spec, model, store, keys)
-        assert all(accepted), (name, accepted)  # every draft position was exercised
+        check = replayed(FAMILY, model, store, keys, spec, K)
+        assert_served_as_replayed(check)
+        assert all(check.replayed.accepted), (name, check.as_json())  # every draft position was exercised
+    suspected = {
+        "norm_before_fc": "the export says norm_before_fc False, the drafter trained with True",
+        "eagle_aux_hidden_state_layer_ids":
+            "the export says aux_layer_ids [0, 1, 2], the drafter trained with [1, 2, 3]",
+    }
+    embed = load_target_weights(target_of(target_dir)).embed_tokens
+    for field, export_dir, spec in zip(misaligned, served[len(trained) :], results[len(trained) :], strict=True):
+        # drafter_eval's way: the drafter as its trainer recorded it, against what vLLM made of the config.
+        trained_as, suspects = trained_served_as(FAMILY, export_dir)
+        model, _ = FAMILY.load_as(export_dir, embed, trained_as)
+        check = replayed(FAMILY, model, store, keys, spec, K, suspects)
+        assert spec.outputs == want and not check.passed, (field, check.as_json())  # still greedy: the drafts suffer
+        assert check.describe().endswith(
+            f"they part at position {check.parted_at} (by more than {check.allowed:.3f}). Suspects: {suspected[field]}"
+        ), check.describe()
 
 
 def test_a_failed_vllm_generation_is_a_named_retryable_evaluation_error(tmp_path: Path):

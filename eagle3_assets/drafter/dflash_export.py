@@ -158,11 +158,9 @@ def export_dflash(
     return publish_export(store, rel, tensors, config, dtype, write_extra=write_mask_embedding)
 
 
-def load_dflash_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[DFlashDrafter, list[int]]:
-    """(drafter with float32 weights, the aux layer ids its context reads) from an export, as vLLM sees it;
-    `embed_tokens` is the target's embedding, which exports leave out."""
-    export_dir = Path(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
+def dflash_exported_config(config: dict[str, Any]) -> tuple[DFlashConfig, list[int]]:
+    """(the drafter an export's config.json describes, the aux layer ids its context reads): `dflash_export_config`'s
+    inverse."""
     dflash = config["dflash_config"]
     cfg = DFlashConfig(
         hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
@@ -173,6 +171,18 @@ def load_dflash_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tu
         rms_norm_eps=config["rms_norm_eps"], rope=config["rope_parameters"],
         max_position_embeddings=config["max_position_embeddings"],
     )  # fmt: skip
+    return cfg, [i + 1 for i in dflash["target_layer_ids"]]
+
+
+def load_dflash_export(
+    export_dir: str | Path, embed_tokens: torch.Tensor, cfg: DFlashConfig | None = None
+) -> tuple[DFlashDrafter, list[int]]:
+    """(drafter with float32 weights, the aux layer ids its context reads) from an export, as vLLM sees it, or in the
+    drafter `cfg` describes (the one that trained: `served_replay`); `embed_tokens` is the target's embedding, which
+    exports leave out."""
+    export_dir = Path(export_dir)
+    exported, aux_layer_ids = dflash_exported_config(json.loads((export_dir / "config.json").read_text()))
+    cfg = cfg or exported
     tensors = load_file(str(export_dir / "model.safetensors"))
     if problems := tensor_problems(tensors, expected_dflash_tensors(cfg)):
         raise ExportError(f"{export_dir} is not a loadable DFlash export:\n  " + "\n  ".join(problems))
@@ -182,4 +192,4 @@ def load_dflash_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tu
     weights = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     weights["mask_embedding"] = mask["embedding"].float()
     model.load_state_dict(weights, strict=False)  # everything but the embedding, checked above
-    return model.eval(), [i + 1 for i in dflash["target_layer_ids"]]
+    return model.eval(), aux_layer_ids

@@ -35,13 +35,11 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
@@ -63,7 +61,9 @@ from eagle3_assets.drafter.eval_report import (
     PROMPT_SETS,
     PROMPTS_BY_BIN,
 )
-from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR, load_export
+from eagle3_assets.drafter.eval_features import AnswerFeatures, explain_served, token_class_accuracy
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINER_LEASE_DIR
+from eagle3_assets.drafter.family import family_of
 from eagle3_assets.drafter.prompt_sets import (
     PromptSet,
     add_set_figures,
@@ -89,19 +89,21 @@ from eagle3_assets.drafter.served_passes import (
     prune,
     serve_or_reuse,
 )
-from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
-from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
+from eagle3_assets.drafter.served_replay import ReplayCheck
+from eagle3_assets.drafter.token_accuracy import ClassAccuracy
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
 from eagle3_assets.errors import Eagle3Error, Refusal
 from eagle3_assets.families import EAGLE3, FamilySpec, family_spec
 from eagle3_assets.leases import settled
-from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.release_record import read_release_record
 from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel, load_tokenizer, resolve_aux_layer_ids, stop_token_ids
+from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
 from eagle3_assets.vllm_server.command import compilation_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
 
 REFERENCE = "reference"
 # Speculative decoding verifies k+1 tokens in one forward where plain decoding takes one: other kernels, so in bf16
@@ -143,6 +145,7 @@ class EvalReport:
     off_reference: list[str] = field(default_factory=list)  # prompt ids answered unlike their reference
     mismatches: list[dict] = field(default_factory=list)
     near_ties: list[dict] = field(default_factory=list)  # outputs that part where greedy's choice was a near tie
+    replay: list[ReplayCheck] = field(default_factory=list)  # each k's served counters against the trained drafter's
     beside: dict[str, dict[str, Any]] = field(default_factory=dict)  # other drafters served: name -> their figures
     # With `traffic` set: ours on each prompt set (`prompt_sets.py`), in the report's form; empty without.
     prompt_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -225,6 +228,11 @@ class EvalReport:
     def outputs_match(self) -> bool:
         return not self.mismatches
 
+    @property
+    def served_is_trained(self) -> bool:
+        """vLLM served what trained: its counters at every k are the trained drafter's replayed (`served_replay`)."""
+        return all(c.passed for c in self.replay)
+
     def feature_gain(self, k: int) -> float:
         zeroed = self.acceptance_zeroed.get(f"k{k}", 0.0)
         return self.acceptance[f"k{k}"] / zeroed if zeroed else 0.0
@@ -272,6 +280,9 @@ class EvalReport:
         meta["outputs_match_greedy"] = self.outputs_match
         meta["passes_reused"] = self.passes_reused
         meta["outputs_parted_at_near_ties"] = len(self.near_ties)  # not defects: NEAR_TIE_LOGPROB
+        meta["served_is_trained"] = self.served_is_trained
+        for check in self.replay:
+            meta[f"replayed_per_position_k{check.k}"] = [round(r, 4) for r in check.replayed.rates]
         for name, figures in self.beside.items():  # flat numbers too: the UI plots them beside ours
             meta.update({f"{name}_mean_acceptance_length_k{k}": figures[f"mean_acceptance_length_k{k}"] for k in SPECULATIVE_TOKENS})
         meta["beside"] = self.beside
@@ -285,36 +296,6 @@ def load_eval_prompts(store: ArtifactStore) -> list[Prompt]:
             "(prompts never used in training) and rematerialize `prompts`"
         )
     return parse_prompts(store.read_text(EVAL_PROMPTS_FILE), store.url_of(EVAL_PROMPTS_FILE))
-
-
-def token_class_accuracy(
-    target: TargetModel,
-    settings: Settings,
-    export_dir: Path,
-    prompts: list[Prompt],
-    prompt_ids: list[list[int]],
-    answers: list[list[int]],
-) -> tuple[dict[str, ClassAccuracy], list[str]]:
-    """acc_k per token class of the exported drafter on the target's answers, and the
-    prompts answered unlike their reference (see `token_accuracy`)."""
-    rows, off_reference = label_rows(prompts, prompt_ids, answers, load_tokenizer(target))
-    weights = load_target_weights(target)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, aux_layer_ids = load_export(export_dir, weights.embed_tokens)
-    # The export's aux layers, not the settings': the features an engine will feed it.
-    declared = replace(target, aux_layer_ids=resolve_aux_layer_ids(aux_layer_ids, target.num_layers))
-    extractor = open_extractor(settings, declared)
-    try:
-        requests = [ExtractionRequest(i, np.asarray(r.input_ids, dtype=np.int32)) for i, r in enumerate(rows)]
-        samples = extract_in_order(extractor, requests)
-        pre_norm = extractor.last_hidden_state_norm == "pre_norm"
-    finally:
-        extractor.close()
-    accuracy = class_accuracy(
-        model.to(device), TargetHead.from_weights(weights).to(device), rows, samples,
-        pre_norm=pre_norm, num_steps=settings.training.ttt_steps,
-    )  # fmt: skip
-    return accuracy, off_reference
 
 
 def eval_prompt_ids(
@@ -409,6 +390,7 @@ class ServedPrompts:
     original: int  # how many of `prompts` are the original held-out prompts
     report: EvalReport
     plain_outputs: list[list[int]] = field(default_factory=list)  # the plain pass's greedy answers, once served
+    speculative: dict[int, GenerationResult] = field(default_factory=dict)  # k -> our pass, features as trained
 
 
 def served_prompts(store: ArtifactStore, target: TargetModel, settings: Settings, max_tokens: int) -> ServedPrompts:
@@ -466,13 +448,17 @@ def evaluate_drafter(
         )
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
         export_dir = serve_passes(store, out, target, settings, served, Path(tmp), max_tokens, log, family)
+        rows = [[*p, *a] for p, a in zip(served.prompt_ids, served.plain_outputs, strict=True)]
+        features = AnswerFeatures(target, settings, rows)
+        report.replay = explain_served(family_of(family, settings, target), target, export_dir, served, features, log)
         # By token class through EAGLE-3's TTT unroll; a block drafter's classes would need its own (not yet).
         if family.token_classes:
             log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
             n = served.original  # the original held-out prompts: the ones that carry token classes
             report.token_accuracy, report.off_reference = token_class_accuracy(
-                target, settings, export_dir, served.prompts[:n], served.prompt_ids[:n], served.plain_outputs[:n]
-            )
+                target, settings, export_dir, served.prompts[:n], served.prompt_ids[:n], served.plain_outputs[:n],
+                features,
+            )  # fmt: skip
         for c, acc in report.token_accuracy.items():
             if acc.predictions[0]:
                 log(f"drafter_eval: {c} tokens ({acc.predictions[0]}): acc_0 {acc.acc[0]:.3f}")
@@ -481,7 +467,8 @@ def evaluate_drafter(
     out.write_json(
         EVAL_REPORT_FILE,
         {**report.as_metadata(), "off_reference": report.off_reference, "mismatches": report.mismatches,
-         "near_ties": report.near_ties, REPORT_KEYS: report.served_passes},
+         "near_ties": report.near_ties, "served_replay": [c.as_json() for c in report.replay],
+         REPORT_KEYS: report.served_passes},
     )
     if removed := prune(store, log):
         log(f"drafter_eval: {removed} kept pass(es) no report names removed from {store.url_of(PASSES_DIR)}")
@@ -566,6 +553,8 @@ def serve_passes(
     served.plain_outputs = plain.result.outputs
     for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
         report.add_run(k, zeroed, plain.result, spec.result, log, spec.plain_tokens_per_s)
+        if not zeroed:
+            served.speculative[k] = spec.result
     where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
     for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
         report.add_beside(name, where.get(name, str(d)), k, plain.result, spec.result, digests[name])

@@ -280,12 +280,15 @@ def exported_config(config: dict[str, Any], where: str | Path) -> DrafterConfig:
     return cfg
 
 
-def load_export(export_dir: str | Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Drafter, list[int]]:
-    """(drafter with float32 weights, its aux layer ids) from an export, as an engine would
-    see it; `embed_tokens` is the target's embedding (any dtype), which exports leave out."""
+def load_export(
+    export_dir: str | Path, embed_tokens: torch.Tensor, cfg: DrafterConfig | None = None
+) -> tuple[Eagle3Drafter, list[int]]:
+    """(drafter with float32 weights, its aux layer ids) from an export, as an engine would see it, or in the drafter
+    `cfg` describes (the one that trained: `served_replay`); `embed_tokens` is the target's embedding (any dtype),
+    which exports leave out."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
-    cfg = exported_config(config, export_dir)
+    cfg = cfg or exported_config(config, export_dir)
     tensors = load_file(str(export_dir / "model.safetensors"))
     problems = export_problems(tensors, cfg)
     if problems:

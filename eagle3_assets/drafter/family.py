@@ -15,8 +15,10 @@ with the same layout inside.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -24,11 +26,16 @@ from safetensors.torch import load as st_load
 from torch import nn
 
 from eagle3_assets.drafter.data import Batch
-from eagle3_assets.drafter.dflash_export import MASK_EMBEDDING_FILE, export_dflash
+from eagle3_assets.drafter.dflash_export import (
+    MASK_EMBEDDING_FILE,
+    dflash_exported_config,
+    export_dflash,
+    load_dflash_export,
+)
 from eagle3_assets.drafter.dflash_loss import dflash_forward, slot_weights
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
 from eagle3_assets.drafter.errors import TrainingError
-from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.export import export_drafter, exported_config, load_export
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import Targets, TargetWeights
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
@@ -71,6 +78,28 @@ class Family(Protocol):
 
     def fingerprint(self) -> dict[str, Any]:
         """The family's own settings, part of what a checkpoint must agree on to be resumed."""
+        ...
+
+    def served_as(self, cfg: Any, aux_layer_ids: Sequence[int]) -> dict[str, Any]:
+        """What an engine must read from the export to serve the drafter as it trained (`cfg` the trained config,
+        `aux_layer_ids` the stored layers): recorded with the export (`trained_on.json`, `SERVED_AS`)."""
+        ...
+
+    def export_says(self, export_dir: Path) -> dict[str, Any]:
+        """`served_as` as the export's config.json tells it to an engine."""
+        ...
+
+    def load_as(
+        self, export_dir: Path, embed_tokens: torch.Tensor, served_as: dict[str, Any]
+    ) -> tuple[nn.Module, list[int]]:
+        """(the export's weights in the drafter `served_as` describes, float32 in eval mode; the target layers it
+        reads, in the order it reads them)."""
+        ...
+
+    def drafted(self, model: nn.Module, input_ids: torch.Tensor, aux: torch.Tensor, k: int) -> torch.Tensor:
+        """int64 [k, T]: the target id `model` drafts at position a of a speculative round whose last verified index is
+        t, on one row: input_ids [1, T], aux [1, T, A] the target's features of the layers `load_as` names
+        (`served_replay.replay_rounds`)."""
         ...
 
 
@@ -162,6 +191,25 @@ class Eagle3(_Specified):
     def fingerprint(self) -> dict[str, Any]:
         return {}  # its settings are the training settings themselves (`fingerprint.run_fingerprint`)
 
+    def served_as(self, cfg: DrafterConfig, aux_layer_ids: Sequence[int]) -> dict[str, Any]:
+        return cfg.to_dict() | {"aux_layer_ids": list(aux_layer_ids)}
+
+    def export_says(self, export_dir: Path) -> dict[str, Any]:
+        config = json.loads((export_dir / "config.json").read_text())
+        return self.served_as(exported_config(config, export_dir), config["eagle_aux_hidden_state_layer_ids"])
+
+    def load_as(
+        self, export_dir: Path, embed_tokens: torch.Tensor, served_as: dict[str, Any]
+    ) -> tuple[Eagle3Drafter, list[int]]:
+        cfg = DrafterConfig(**{k: v for k, v in served_as.items() if k != "aux_layer_ids"})
+        model, _ = load_export(export_dir, embed_tokens, cfg)
+        return model, list(served_as["aux_layer_ids"])
+
+    @torch.no_grad()
+    def drafted(self, model: nn.Module, input_ids: torch.Tensor, aux: torch.Tensor, k: int) -> torch.Tensor:
+        # Step a of the unroll at index t is the round's a-th draft: step 0 reads the target's features at t.
+        return torch.stack([_target_ids(model, logits[0]) for logits in model(input_ids, aux.float(), k)])
+
 
 @dataclass
 class DFlash(_Specified):
@@ -232,6 +280,36 @@ class DFlash(_Specified):
 
     def fingerprint(self) -> dict[str, Any]:
         return {"dflash": self.dflash.model_dump(), "mask_token_id": self.mask_token_id}
+
+    def served_as(self, cfg: DFlashConfig, aux_layer_ids: Sequence[int]) -> dict[str, Any]:
+        # Rotate-half rotary is what trained (`model.apply_rotary`); vLLM takes the layout from the config.
+        return cfg.to_dict() | {"aux_layer_ids": self.aux_layer_ids(aux_layer_ids), "is_neox_style": True}
+
+    def export_says(self, export_dir: Path) -> dict[str, Any]:
+        config = json.loads((export_dir / "config.json").read_text())
+        cfg, aux_layer_ids = dflash_exported_config(config)
+        return cfg.to_dict() | {"aux_layer_ids": aux_layer_ids, "is_neox_style": config.get("is_neox_style")}
+
+    def load_as(
+        self, export_dir: Path, embed_tokens: torch.Tensor, served_as: dict[str, Any]
+    ) -> tuple[DFlashDrafter, list[int]]:
+        cfg = DFlashConfig(**{k: v for k, v in served_as.items() if k not in ("aux_layer_ids", "is_neox_style")})
+        model, _ = load_dflash_export(export_dir, embed_tokens, cfg)
+        return model, list(served_as["aux_layer_ids"])
+
+    @torch.no_grad()
+    def drafted(self, model: nn.Module, input_ids: torch.Tensor, aux: torch.Tensor, k: int) -> torch.Tensor:
+        # The block at anchor t is the round's draft: its slot a proposes index t + 2 + a.
+        anchors = torch.arange(input_ids.shape[1] - 1)[None]  # [1, T - 1]
+        blocks = model(input_ids, aux.float(), anchors, block_size=k)  # k x [1, T - 1, Vd]
+        drafted = torch.stack([_target_ids(model, logits[0]) for logits in blocks])
+        return torch.cat([drafted, torch.full((k, 1), -1, dtype=drafted.dtype)], dim=1)  # [k, T]: no round at T - 1
+
+
+def _target_ids(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """[..., Vd] draft logits -> the target ids of their argmax, through the drafter's d2t."""
+    best = logits.argmax(-1)
+    return best + model.d2t[best]
 
 
 def load_export_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -33,6 +33,7 @@ from eagle3_assets.drafter.export import EXPORT_DIR, EXPORT_STAGING
 from eagle3_assets.drafter.family import Eagle3, Family, family_of
 from eagle3_assets.drafter.imported_release import import_differences
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
+from eagle3_assets.drafter.served_replay import SERVED_AS
 from eagle3_assets.drafter.tensorboard import TENSORBOARD_DIR
 from eagle3_assets.drafter.sources import continued_line
 from eagle3_assets.drafter.train import LogFn, MetricsCallback, TrainResult, train_drafter
@@ -101,6 +102,8 @@ def train_and_export(
         record = {**now, "continued_from": summary["continued_from"] or None}
         if result.continued and plan.imported:  # where the weights it started from were published
             record["imported"] = plan.imported
+        # How an engine must serve it to serve what trained: drafter_eval holds the export's config to it.
+        record[SERVED_AS] = trained.served_as(result.config, result.aux_layer_ids)
         mark_replacing(store, family.drafter_asset, out.url_of(EXPORT_DIR))
         url = trained.export(out, tensors, result.config, result.aux_layer_ids, EXPORT_DIR, trained_on=record)
         out.write_json(DRAFTER_METRICS_FILE, summary)

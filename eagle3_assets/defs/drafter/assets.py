@@ -52,6 +52,7 @@ GROUP = "drafter"
 DRAFTER = AssetKey(EAGLE3.drafter_asset)
 DRAFTER_RELEASE = AssetKey("drafter_release")
 RELEASE_CHECK = "no_regression"
+SERVED_CHECK = "served_is_trained"
 
 
 def drafter_key(family: FamilySpec) -> AssetKey:
@@ -126,6 +127,16 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3, *after: AssetKey) -> AssetsD
         deps=[drafter_key(family), *after],
         pool=GPU_POOL,
         kinds={"vllm"},
+        check_specs=[
+            AssetCheckSpec(
+                SERVED_CHECK,
+                asset=eval_key(family),
+                blocking=True,
+                description="vLLM's acceptance per draft position at each k is the trained drafter's, replayed over the "
+                "same greedy answers, within served_replay.REPLAY_TOLERANCE; else it names the first position that "
+                "parts and what the export tells vLLM otherwise than the drafter trained with",
+            )
+        ],
         description=f"The {family.name} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
         "speculative tokens, and the features' share of it; with `traffic`, on the traffic's held-out split and the "
         "original held-out prompts each (`prompt_sets`). With `start_from`, a store with no release first gets the "
@@ -152,6 +163,15 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3, *after: AssetKey) -> AssetsD
         return MaterializeResult(
             data_version=version["data_version"],
             metadata=to_metadata(report.as_metadata()) | {"family": family.name, "export": export} | version["metadata"],
+            check_results=[
+                AssetCheckResult(
+                    check_name=SERVED_CHECK,
+                    passed=report.served_is_trained,
+                    severity=AssetCheckSeverity.ERROR,
+                    description="; ".join(c.describe() for c in report.replay),
+                    metadata={f"parted_at_k{c.k}": -1 if c.parted_at is None else c.parted_at for c in report.replay},
+                )
+            ],
         )
 
     return drafter_eval
