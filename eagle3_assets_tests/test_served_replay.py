@@ -113,3 +113,21 @@ def test_a_dflash_export_served_with_another_rotary_layout_is_a_suspect(tmp_path
     _edit_config(export_dir, is_neox_style=False)
     _, suspects = trained_served_as(family, export_dir)
     assert suspects == ["the export says is_neox_style False, the drafter trained with True"]
+
+
+def test_a_dflash_drafter_drafts_every_round_of_a_row_the_same_in_chunks_of_anchors(monkeypatch):
+    """A long row's blocks are drafted a chunk of anchors at a time (each block attends to the whole context): the
+    same drafts as all at once, and none at the last index, where no round starts."""
+    from eagle3_assets.drafter import family as families
+
+    cfg = tiny_config(draft_vocab_size=128)
+    vmap = random_vocab_map(300, 128)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=torch.randn(300, 64)).eval()
+    dflash = DFlash(TrainingSettings(), DFlashSettings(), mask_token_id=0)
+    ids, aux = torch.randint(1, 300, (1, 11)), torch.randn(1, 11, 3 * 64)
+    whole = dflash.drafted(model, ids, aux, 3)
+    monkeypatch.setattr(families, "REPLAY_ANCHORS", 4)
+    assert torch.equal(dflash.drafted(model, ids, aux, 3), whole)
+    assert whole.shape == (3, 11) and whole[:, -1].tolist() == [-1, -1, -1]
+    assert bool((vmap.t2d[whole[:, :-1]]).all())  # every draft is a target id the draft vocab holds

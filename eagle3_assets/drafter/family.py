@@ -46,6 +46,9 @@ from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.vocab_map import VocabMap
 
 
+# Blocks drafted in one forward when a DFlash drafter's rounds are replayed (`DFlash.drafted`).
+REPLAY_ANCHORS = 256
+
 class Family(Protocol):
     spec: ClassVar[FamilySpec]
     name: str  # `spec.name`
@@ -299,11 +302,13 @@ class DFlash(_Specified):
 
     @torch.no_grad()
     def drafted(self, model: nn.Module, input_ids: torch.Tensor, aux: torch.Tensor, k: int) -> torch.Tensor:
-        # The block at anchor t is the round's draft: its slot a proposes index t + 2 + a.
-        anchors = torch.arange(input_ids.shape[1] - 1)[None]  # [1, T - 1]
-        blocks = model(input_ids, aux.float(), anchors, block_size=k)  # k x [1, T - 1, Vd]
-        drafted = torch.stack([_target_ids(model, logits[0]) for logits in blocks])
-        return torch.cat([drafted, torch.full((k, 1), -1, dtype=drafted.dtype)], dim=1)  # [k, T]: no round at T - 1
+        # The block at anchor t is the round's draft: its slot a proposes index t + 2 + a. Anchors go in chunks: each
+        # block's k + 1 queries attend to the whole context, so every anchor of a long row at once would not fit.
+        drafted = []
+        for chunk in torch.arange(input_ids.shape[1] - 1).split(REPLAY_ANCHORS):
+            blocks = model(input_ids, aux.float(), chunk[None], block_size=k)  # k x [1, anchors, Vd]
+            drafted.append(torch.stack([_target_ids(model, logits[0]) for logits in blocks]))
+        return torch.cat([*drafted, torch.full((k, 1), -1)], dim=1)  # [k, T]: no round at the last index
 
 
 def _target_ids(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
