@@ -19,11 +19,12 @@ class StartFromSettings(Section):
     drafter: str = Field(
         ...,
         min_length=1,
-        description="a published EAGLE-3 drafter's directory or fsspec URL (config.json + safetensors weights): "
-        "checked against the target and installed as the release when the store has none",
+        description="a published EAGLE-3 or DFlash drafter's directory or fsspec URL (config.json + safetensors "
+        "weights): checked against the target and installed as the release when the store has none",
     )
-    format: Literal["auto", "eagle3", "speculators"] = Field(
+    format: Literal["auto", "eagle3", "speculators", "dflash"] = Field(
         "auto",
         description="its layout: `eagle3` (vLLM's LlamaForCausalLMEagle3, as the EAGLE reference and SpecForge write "
-        "it), `speculators` (speculators_model_type eagle3), or `auto` to tell them apart by its config.json",
+        "it), `speculators` (speculators_model_type eagle3), `dflash` (z-lab's DFlashDraftModel), or `auto` to tell "
+        "them apart by its config.json",
     )

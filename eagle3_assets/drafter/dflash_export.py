@@ -11,6 +11,7 @@ The mask embedding goes in `mask_embedding.pt` ({"mask_token_id", "embedding"}),
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,10 @@ def export_dflash(
     dtype: str = "bfloat16",
     max_position_embeddings: int | None = None,
     trained_on: dict[str, Any] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> str:
     """Check `tensors` (`DFlashDrafter.trainable_state_dict()`), then publish `rel`/ in one step (with
-    `trained_on.json` when given); returns its URL."""
+    `trained_on.json` when given, and what `write_extra` adds); returns its URL."""
     tensors = dict(tensors)
     mask_embedding = tensors.pop("mask_embedding", None)
     if mask_embedding is None or tuple(mask_embedding.shape) != (cfg.hidden_size,):
@@ -152,8 +154,9 @@ def export_dflash(
             {"mask_token_id": cfg.mask_token_id, "embedding": embedding},
             directory / MASK_EMBEDDING_FILE,
         )
-        if write_trained_on is not None:
-            write_trained_on(directory)
+        for write in (write_trained_on, write_extra):
+            if write is not None:
+                write(directory)
 
     return publish_export(store, rel, tensors, config, dtype, write_extra=write_mask_embedding)
 

@@ -1,6 +1,6 @@
-"""Read a published EAGLE-3 drafter from any store URL and know its format (`importing.py` converts and checks it).
+"""Read a published drafter from any store URL and know its format (`importing.py` converts and checks it).
 
-Two formats, told apart by their `config.json`:
+Three formats, told apart by their `config.json`:
   - `eagle3`: the layout vLLM reads as is, as the EAGLE reference and SpecForge write it (and as our own export is):
     a one-layer Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, weights `midlayer.*` (or `layers.0.*`),
     `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, maybe `embed_tokens.weight`. Its options are read as
@@ -12,6 +12,8 @@ Two formats, told apart by their `config.json`:
     `embed_tokens.weight`, and `d2t`/`t2d` only when the draft vocab is reduced. Its options are read with speculators'
     own defaults (each off): they are what it trained with. The decoder layer's config is saved as a diff against
     transformers' defaults for its `model_type`, so those defaults are filled from transformers, as speculators does.
+
+  - `dflash`: z-lab's DFlash drafter (`architectures: ["DFlashDraftModel"]`), converted by `dflash_import.py`.
 
 Weights are read as safetensors only (one file, or shards under `model.safetensors.index.json`): a
 `pytorch_model.bin` is a pickle, which this project never loads (docs/DESIGN.md §2).
@@ -31,8 +33,10 @@ from safetensors.torch import load as st_load
 from eagle3_assets.errors import Refusal
 from eagle3_assets.storage import ArtifactStore
 
-FORMATS = ("eagle3", "speculators")
-# `architectures[0]` of a drafter vLLM serves as its Llama-form EAGLE-3 model.
+FORMATS = ("eagle3", "speculators", "dflash")
+# `architectures[0]` of a drafter vLLM serves as its Llama-form EAGLE-3 model, and of z-lab's DFlash drafter
+# (`dflash_import.py`; DFlash2's selector and convolutions are another model).
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 INDEX_FILE = "model.safetensors.index.json"
@@ -116,9 +120,12 @@ def detect_format(config: Mapping[str, Any], where: str) -> str:
     arch = list(config.get("architectures") or [])
     if arch[:1] and arch[0] in EAGLE3_ARCHITECTURES:
         return "eagle3"
+    if arch[:1] == [DFLASH_ARCHITECTURE]:
+        return "dflash"
     raise ImportRefusal(
-        f"imported drafter: architectures {arch} is no EAGLE-3 drafter this project imports (one of "
-        f"{', '.join(EAGLE3_ARCHITECTURES)}, or a speculators config with speculators_model_type 'eagle3') ({where})"
+        f"imported drafter: architectures {arch} is no drafter this project imports (an EAGLE-3 drafter, one of "
+        f"{', '.join(EAGLE3_ARCHITECTURES)}, or a speculators config with speculators_model_type 'eagle3'; or a "
+        f"DFlash drafter in z-lab's layout, {DFLASH_ARCHITECTURE}) ({where})"
     )
 
 

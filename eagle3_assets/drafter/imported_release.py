@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, exported_config, publish_export
+from eagle3_assets.drafter.dflash_import import ImportedDFlash
+from eagle3_assets.drafter.export import exported_config
 from eagle3_assets.drafter.import_formats import source_url
-from eagle3_assets.drafter.importing import Imported, import_drafter
+from eagle3_assets.drafter.importing import Imported, import_published
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_DIR, target_version
 from eagle3_assets.drafter.target_head import load_target_weights
-from eagle3_assets.families import EAGLE3
 from eagle3_assets.release_record import ReleaseRecord, read_release_record
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -48,27 +48,24 @@ class Installed:
     url: str  # the release directory
 
 
-def install_release(store: ArtifactStore, imported: Imported, *, target_version: str) -> Installed:
+def install_release(store: ArtifactStore, imported: Imported | ImportedDFlash, *, target_version: str) -> Installed:
     """Write `imported` as the release of the target of `target_version` (the `target_model` record's version,
     `release.target_version`), unless a drafter is released already (module docstring)."""
     url = store.url_of(RELEASE_DIR)
     if (kept := kept_release(store, imported.source)) is not None:
         return Installed(False, kept, url)
-    cfg = imported.cfg
-    full_vocab = cfg.draft_vocab_size == cfg.vocab_size
-    tensors = checked_tensors(store, RELEASE_DIR, imported.tensors, expected_export_tensors(cfg), full_vocab=full_vocab)
     reason = (
         f"imported from {imported.source} ({imported.format} format, sha256 {imported.digest}): not yet served here"
     )
 
     def write_record(directory: Path) -> None:
         ReleaseRecord(
-            target=target_version, family=EAGLE3.name, reason=reason, export=imported.source,
+            target=target_version, family=imported.family, reason=reason, export=imported.source,
             export_sha256=hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest(),
             imported=imported.provenance(),
         ).write(directory)  # fmt: skip
 
-    publish_export(store, RELEASE_DIR, tensors, imported.export_config(), imported.dtype, write_extra=write_record)
+    imported.publish(store, RELEASE_DIR, write_extra=write_record)
     return Installed(True, reason, url)
 
 
@@ -94,7 +91,7 @@ def start_from(
     release reads nothing of `source`."""
     if (kept := kept_release(store, source_url(source))) is not None:
         return Installed(False, kept, store.url_of(RELEASE_DIR))
-    imported = import_drafter(source, target, fmt=fmt, embed_tokens=lambda: load_target_weights(target).embed_tokens)
+    imported = import_published(source, target, fmt=fmt, weights=lambda: load_target_weights(target))
     return install_release(store, imported, target_version=target_version)
 
 
@@ -145,8 +142,10 @@ def release_vocab_map(store: ArtifactStore) -> VocabMap:
 def adopted_vocab_map(store: ArtifactStore, freq: np.ndarray, draft_vocab_size: int) -> tuple[VocabMap, str] | None:
     """(the imported release's own map, what was done and what it costs), None when the release is no import: its
     `lm_head` rows are trained for its own draft ids, and a drafter is continued only on the map it was trained with.
-    What it costs is its coverage of the store's loss tokens (`freq`) against a fresh map's of `draft_vocab_size`."""
-    if (imported := imported_release(store)) is None:
+    What it costs is its coverage of the store's loss tokens (`freq`) against a fresh map's of `draft_vocab_size`.
+    A DFlash import is not adopted: it drafts over the whole vocabulary through the target's head, and is not
+    continued (yet), so its map would only widen every head trained beside it."""
+    if (imported := imported_release(store)) is None or imported.get("format") == "dflash":
         return None
     own, source = release_vocab_map(store), imported["source"]
     fresh = coverage(build_vocab_map(freq, draft_vocab_size), freq)

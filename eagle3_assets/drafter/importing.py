@@ -1,5 +1,5 @@
 """Import a published EAGLE-3 drafter as this project's export, refused before anything runs when it does not fit
-the target (issue 53, item 1; the formats it reads: `import_formats.py`).
+the target (issue 53, item 1; the formats it reads: `import_formats.py`; a DFlash drafter: `dflash_import.py`).
 
 Checked against the target (a `TargetModel`, whose aux layer ids are the settings', the layers the shards hold), each
 mismatch a refusal naming both values and the file:
@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_assets.drafter.export import expected_export_tensors, export_config
+from eagle3_assets.drafter.dflash_import import ImportedDFlash, import_dflash
+from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, export_config, publish_export
 from eagle3_assets.drafter.import_formats import (
     Declared,
     ImportRefusal,
@@ -39,6 +41,9 @@ from eagle3_assets.drafter.import_formats import (
     read_source,
 )
 from eagle3_assets.drafter.model import DrafterConfig
+from eagle3_assets.drafter.target_head import TargetWeights
+from eagle3_assets.families import EAGLE3
+from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, TargetModelError, default_aux_layer_ids
 
 EMBEDDING = "embed_tokens.weight"
@@ -59,9 +64,16 @@ class Imported:
     dtype: str
     dropped: list[str] = field(default_factory=list)  # its tensors not carried over (the embedding)
     notes: list[str] = field(default_factory=list)  # what our drafter does otherwise (`Declared.notes`)
+    family: str = EAGLE3.name
 
     def export_config(self) -> dict[str, Any]:
         return export_config(self.cfg, aux_layer_ids=self.aux_layer_ids, dtype=self.dtype)
+
+    def publish(self, store: ArtifactStore, rel: str, write_extra: Callable[[Path], None]) -> str:
+        """Write it as our export at `rel` (checked again as every export is), with what `write_extra` adds."""
+        full_vocab = self.cfg.draft_vocab_size == self.cfg.vocab_size
+        tensors = checked_tensors(store, rel, self.tensors, expected_export_tensors(self.cfg), full_vocab=full_vocab)
+        return publish_export(store, rel, tensors, self.export_config(), self.dtype, write_extra=write_extra)
 
     def provenance(self) -> dict[str, Any]:
         """Where it came from, for `release.json`."""
@@ -72,16 +84,41 @@ class Imported:
 Embedding = torch.Tensor | Callable[[], torch.Tensor] | None  # the target's, or how to read it when it is needed
 
 
+def import_published(
+    url: str, target: TargetModel, *, fmt: str = "auto", weights: Callable[[], TargetWeights]
+) -> Imported | ImportedDFlash:
+    """The drafter at `url` converted to our export of its family, or ImportRefusal naming what does not fit
+    `target`; `weights` reads the target's (an EAGLE-3 drafter that ships an embedding is compared with its, a DFlash
+    drafter drafts through its head)."""
+    source = read_source(url)
+    found = source_format(source, fmt)
+    if found == "dflash":
+        return import_dflash(source, target, weights())
+    return _imported_eagle3(source, found, target, lambda: weights().embed_tokens)
+
+
 def import_drafter(url: str, target: TargetModel, *, fmt: str = "auto", embed_tokens: Embedding) -> Imported:
-    """The drafter at `url` converted to our export, or ImportRefusal naming what does not fit `target`.
+    """The EAGLE-3 drafter at `url` converted to our export, or ImportRefusal naming what does not fit `target`.
     `embed_tokens` is the target's embedding (or how to read it: only a drafter that ships one needs it), which a
     drafter that ships one must equal; None: not compared."""
     source = read_source(url)
+    found = source_format(source, fmt)
+    if found == "dflash":
+        raise ImportRefusal(f"imported drafter: {source.config_url} is a DFlash drafter, not an EAGLE-3 one")
+    return _imported_eagle3(source, found, target, embed_tokens)
+
+
+def source_format(source: Source, fmt: str) -> str:
+    """The format `source` is in, which must be `fmt` unless that is "auto"."""
     found = detect_format(source.config, source.config_url)
     if fmt not in ("auto", found):
         raise ImportRefusal(
             f"imported drafter: start_from.format is {fmt!r}, but {source.config_url} is in the {found!r} format"
         )
+    return found
+
+
+def _imported_eagle3(source: Source, found: str, target: TargetModel, embed_tokens: Embedding) -> Imported:
     decl = declared(source.config, found)
     ids = check_declared(decl, target, source.config_url)
     cfg = drafter_config(decl, source.config_url)
