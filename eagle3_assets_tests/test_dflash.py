@@ -22,17 +22,21 @@ from eagle3_assets.drafter.dflash_export import (
     export_dflash,
     load_dflash_export,
 )
+from eagle3_assets.drafter.dflash_import import import_dflash
 from eagle3_assets.drafter.dflash_loss import choose_anchors, dflash_forward
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter, block_attention_mask
 from eagle3_assets.drafter.export import EXPORT_DIR, ExportError
 from eagle3_assets.drafter.family import DFlash
+from eagle3_assets.drafter.import_formats import read_source
 from eagle3_assets.drafter.served_replay import SERVED_AS, trained_served_as
+from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.settings import DFlashSettings, TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
 from .drafter_serving import PROMPT_LEN, assert_served_as_replayed, confident_target_with_text, replayed
 from .helpers import AUX_IDS, random_vocab_map, target_of
+from .test_dflash_import import published_dflash
 
 
 def tiny_config(**overrides) -> DFlashConfig:
@@ -206,12 +210,25 @@ def test_vllm_serves_the_dflash_export_greedy_and_accepts_the_predicted_blocks(s
     shutil.copytree(export_dir, misaligned)
     config = json.loads((misaligned / "config.json").read_text())
     (misaligned / "config.json").write_text(json.dumps(config | {"is_neox_style": False}))
-    *runs, served_misaligned = generate_runs_in_subprocess(
+    # Issue 53: a drafter z-lab's own package saved, imported (its head the target's, over the whole vocabulary).
+    weights = load_target_weights(target_of(target_dir))
+    imported_dir = export_dir.parent / "imported"
+    published_dflash(imported_dir.with_name("published"), mask=0, seed=2)
+    imported = import_dflash(read_source(str(imported_dir.with_name("published"))), target_of(target_dir), weights)
+    imported.publish(ArtifactStore(imported_dir.parent), imported_dir.name, write_extra=lambda _: None)
+    *runs, served_misaligned, served_imported = generate_runs_in_subprocess(
         target_dir, prompts,
         [{"num_speculative_tokens": K}, {"num_speculative_tokens": 2},
-         {"num_speculative_tokens": K, "draft_dir": misaligned}],
+         {"num_speculative_tokens": K, "draft_dir": misaligned},
+         {"num_speculative_tokens": K, "draft_dir": imported_dir}],
         common={"draft_dir": export_dir, "method": "dflash", "max_tokens": SERVED},
     )  # fmt: skip
+    served_as, suspects = trained_served_as(family, imported_dir)
+    as_published, _ = family.load_as(imported_dir, weights.embed_tokens, served_as)
+    check = replayed(family, as_published, store, keys, served_imported, K, suspects)
+    assert served_imported.outputs == [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated] and check.passed, (
+        check.describe()
+    )
     want = [g[PROMPT_LEN : PROMPT_LEN + SERVED] for g in generated]
     for spec, k in zip(runs, (K, 2), strict=True):
         assert spec.outputs == want  # speculation keeps greedy

@@ -25,29 +25,35 @@ from .helpers import HIDDEN, VOCAB, target_of, tiny_llama
 K, MASK = 3, 5
 
 
-@pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    """(target, a DFlash drafter for it saved by z-lab's own package, that model): two Qwen3 layers reading the
-    outputs of target layers 0, 1, 2 (the shards' aux ids 1, 2, 3), norms drawn away from one."""
-    pytest.importorskip("dflash")
+def published_dflash(out: Path, *, vocab: int = VOCAB, mask: int = MASK, seed: int = 0):
+    """A DFlash drafter saved in `out` by z-lab's own package: two Qwen3 layers reading the outputs of target layers
+    0, 1, 2 of a 4-layer target (the shards' aux ids 1, 2, 3), norms drawn away from one. Returns the model."""
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config
 
-    base = tmp_path_factory.mktemp("dflash-import")
-    tiny_llama(base / "target", seed=1)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False,
         layer_types=["full_attention"] * 2, num_target_layers=4, block_size=K,
-        dflash_config={"mask_token_id": MASK, "target_layer_ids": [0, 1, 2]},
+        dflash_config={"mask_token_id": mask, "target_layer_ids": [0, 1, 2]},
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = DFlashDraftModel(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 2.0)
-    model.save_pretrained(base / "published")
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """(a tiny target, a DFlash drafter for it as z-lab's package saves it, that model)."""
+    pytest.importorskip("dflash")
+    base = tmp_path_factory.mktemp("dflash-import")
+    tiny_llama(base / "target", seed=1)
+    model = published_dflash(base / "published")
     return target_of(base / "target"), base / "published", model
 
 
