@@ -131,3 +131,38 @@ def test_a_dflash_drafter_drafts_every_round_of_a_row_the_same_in_chunks_of_anch
     assert torch.equal(dflash.drafted(model, ids, aux, 3), whole)
     assert whole.shape == (3, 11) and whole[:, -1].tolist() == [-1, -1, -1]
     assert bool((vmap.t2d[whole[:, :-1]]).all())  # every draft is a target id the draft vocab holds
+
+
+def test_replay_served_holds_vllms_counters_to_the_rounds_the_drafter_drafts_on_the_answers():
+    """`replay_served` as drafter_eval calls it: per row, the drafter's rounds over prompt + answer; vLLM's counters
+    equal to them pass, counters of another drafter part at the position they differ; an answer vLLM served otherwise
+    past a near tie is replayed up to there, its remaining tokens allowed on top."""
+    import numpy as np
+
+    from eagle3_assets.drafter.served_replay import replay_served
+    from eagle3_assets.drafter.vllm_eval import GenerationResult
+    from eagle3_assets.hidden_states.base import ExtractedSample
+
+    family, model = Eagle3(TrainingSettings()), make_model().eval()
+    torch.manual_seed(0)
+    rows = [torch.randint(0, 256, (12,)) for _ in range(3)]
+    samples = [ExtractedSample(i, r.numpy().astype(np.int32), torch.randn(12, 3 * 64), torch.randn(12, 64))
+               for i, r in enumerate(rows)]  # fmt: skip
+    starts = [4, 5, 4]
+    # What the drafter itself drafts, replayed by hand: the counters vLLM would report serving the answers.
+    want = Rounds(0, [0, 0, 0])
+    for s, start in zip(samples, starts, strict=True):
+        drafted = family.drafted(model, torch.as_tensor(s.input_ids.tolist())[None], s.aux_hidden_states[None], 3)
+        want += replay_rounds(drafted, s.input_ids.tolist(), start, len(s.input_ids) - start)
+    answers = [s.input_ids[start:].tolist() for s, start in zip(samples, starts, strict=True)]
+    served = GenerationResult(answers, num_drafts=want.drafts, accepted_per_position=want.accepted)
+    (check,) = replay_served(family, model, samples, starts, {3: served}, [])
+    assert check.passed and (check.served, check.replayed) == (want, want) and check.slack == 0.0
+    other = GenerationResult(answers, num_drafts=want.drafts, accepted_per_position=[want.drafts, 0, 0])
+    (check,) = replay_served(family, model, samples, starts, {3: other}, ["a suspect"])
+    assert (check.passed, check.parted_at) == (False, 0) and check.describe().endswith("Suspects: a suspect")
+    # The first answer served otherwise from its third token on: 6 of its 8 tokens are no longer the replay's.
+    parted = [answers[0][:2] + [(answers[0][2] + 1) % 256] + answers[0][3:], *answers[1:]]
+    (check,) = replay_served(family, model, samples, starts, {3: GenerationResult(parted, num_drafts=10,
+                             accepted_per_position=want.accepted)}, [])  # fmt: skip
+    assert check.slack == 6 / 10

@@ -85,6 +85,7 @@ def explain_served(
     """vLLM's speculative rounds replayed with the drafter as it trained, on the answers it served (`served_replay`)."""
     trained, suspects = trained_served_as(family, export_dir)
     model, aux_layer_ids = family.load_as(export_dir, load_target_weights(target).embed_tokens, trained)
+    model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # as the token-class accuracy runs
     samples, _ = features.of(aux_layer_ids)
     checks = replay_served(family, model, samples, list(map(len, served.prompt_ids)), served.speculative, suspects)
     for check in checks:

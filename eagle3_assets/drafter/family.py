@@ -305,10 +305,10 @@ class DFlash(_Specified):
         # The block at anchor t is the round's draft: its slot a proposes index t + 2 + a. Anchors go in chunks: each
         # block's k + 1 queries attend to the whole context, so every anchor of a long row at once would not fit.
         drafted = []
-        for chunk in torch.arange(input_ids.shape[1] - 1).split(REPLAY_ANCHORS):
+        for chunk in torch.arange(input_ids.shape[1] - 1, device=input_ids.device).split(REPLAY_ANCHORS):
             blocks = model(input_ids, aux.float(), chunk[None], block_size=k)  # k x [1, anchors, Vd]
             drafted.append(torch.stack([_target_ids(model, logits[0]) for logits in blocks]))
-        return torch.cat([*drafted, torch.full((k, 1), -1)], dim=1)  # [k, T]: no round at the last index
+        return torch.cat([*drafted, torch.full((k, 1), -1, device=input_ids.device)], dim=1)  # [k, T]: none at T - 1
 
 
 def _target_ids(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,7 @@ def replay_served(
 ) -> list[ReplayCheck]:  # fmt: skip
     """Each speculative pass (k -> vLLM's result) against the rounds `model` drafts on the same answers: `samples`
     the target's features of prompt + greedy answer per prompt, `prompt_lengths` where each answer starts."""
-    checks = []
+    checks, device = [], next(model.parameters()).device
     for k, spec in speculative.items():
         replayed, parted_tokens = Rounds(0, [0] * k), 0
         for sample, start, served in zip(samples, prompt_lengths, spec.outputs, strict=True):
@@ -162,7 +162,8 @@ def replay_served(
             # Past a near tie vLLM answered otherwise than greedy: the replay follows it only up to there.
             same = next((i for i, (a, b) in enumerate(zip(served, ids[start:])) if a != b), len(served))
             parted_tokens += len(served) - same
-            drafted = family.drafted(model, torch.as_tensor(ids)[None], sample.aux_hidden_states[None], k)
+            row, aux = torch.as_tensor(ids, device=device)[None], sample.aux_hidden_states[None].to(device)
+            drafted = family.drafted(model, row, aux, k).cpu()
             replayed += replay_rounds(drafted, ids, start, same)
         accepted = list(spec.accepted_per_position)[:k]
         served_rounds = Rounds(spec.num_drafts, accepted + [0] * (k - len(accepted)))
