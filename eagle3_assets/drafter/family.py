@@ -49,6 +49,7 @@ from eagle3_assets.vocab_map import VocabMap
 # Blocks drafted in one forward when a DFlash drafter's rounds are replayed (`DFlash.drafted`).
 REPLAY_ANCHORS = 256
 
+
 class Family(Protocol):
     spec: ClassVar[FamilySpec]
     name: str  # `spec.name`
