@@ -32,7 +32,7 @@ from eagle3_assets.drafter.import_formats import ImportRefusal, Source
 from eagle3_assets.drafter.target_head import TargetWeights
 from eagle3_assets.families import DFLASH
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel
+from eagle3_assets.target import TargetModel, rope_parameters
 
 # What z-lab's model reads from its config that this project's DFlash drafter has not, with the value that means "off".
 _OFF = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0, "causal": False}
@@ -131,7 +131,6 @@ def dflash_config_of(config: dict[str, Any], target: TargetModel, where: str) ->
             f"store (aux_layer_ids {list(target.aux_layer_ids)}, inputs of layers); set aux_layer_ids to hold "
             f"{ids} and dflash.aux_layer_ids: {ids}"
         )
-    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
     try:
         cfg = DFlashConfig(
             hidden_size=target.hidden_size, num_attention_heads=config["num_attention_heads"],
@@ -140,7 +139,7 @@ def dflash_config_of(config: dict[str, Any], target: TargetModel, where: str) ->
             intermediate_size=config["intermediate_size"], vocab_size=target.vocab_size,
             draft_vocab_size=target.vocab_size, num_aux_layers=len(ids), num_layers=config["num_hidden_layers"],
             block_size=int(dflash.get("block_size", config.get("block_size", 16))), mask_token_id=mask,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope=dict(rope),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope=rope_parameters(config),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
         )  # fmt: skip
     except (KeyError, ValueError) as e:
