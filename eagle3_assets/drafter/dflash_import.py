@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from eagle3_assets.drafter.dflash_export import expected_dflash_tensors, export_dflash
-from eagle3_assets.drafter.export import tensor_problems
 from eagle3_assets.drafter.dflash_model import DFlashConfig
+from eagle3_assets.drafter.export import dtype_name, tensor_problems
 from eagle3_assets.drafter.import_formats import ImportRefusal, Source
 from eagle3_assets.drafter.target_head import TargetWeights
 from eagle3_assets.families import DFLASH
@@ -36,7 +36,6 @@ from eagle3_assets.target import TargetModel, rope_parameters
 
 # What z-lab's model reads from its config that this project's DFlash drafter has not, with the value that means "off".
 _OFF = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0, "causal": False}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def import_dflash(source: Source, target: TargetModel, weights: TargetWeights) -
         f"target's embedding of token {cfg.mask_token_id}, as published"
     ]
     return ImportedDFlash(source=source.url, digest=source.digest, files=source.files, cfg=cfg, aux_layer_ids=ids,
-                          tensors=tensors, dtype=_DTYPE_NAMES.get(dtype, "bfloat16"), notes=notes)  # fmt: skip
+                          tensors=tensors, dtype=dtype_name(dtype), notes=notes)  # fmt: skip
 
 
 def dflash_config_of(config: dict[str, Any], target: TargetModel, where: str) -> tuple[DFlashConfig, list[int]]:

@@ -37,6 +37,11 @@ NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The export dtype `dtype` is written as: itself when an export can hold it, else bfloat16."""
+    return next((name for name, d in _DTYPES.items() if d == dtype), "bfloat16")
+
+
 class ExportError(TrainingError, ValueError):
     """The drafter's tensors do not match what engines load; the message names each one."""
 

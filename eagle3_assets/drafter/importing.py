@@ -30,7 +30,13 @@ from typing import Any
 import torch
 
 from eagle3_assets.drafter.dflash_import import ImportedDFlash, import_dflash
-from eagle3_assets.drafter.export import checked_tensors, expected_export_tensors, export_config, publish_export
+from eagle3_assets.drafter.export import (
+    checked_tensors,
+    dtype_name,
+    expected_export_tensors,
+    export_config,
+    publish_export,
+)
 from eagle3_assets.drafter.import_formats import (
     Declared,
     ImportRefusal,
@@ -47,7 +53,6 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, TargetModelError, default_aux_layer_ids
 
 EMBEDDING = "embed_tokens.weight"
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def _imported_eagle3(source: Source, found: str, target: TargetModel, embed_toke
     tensors, dropped = converted_tensors(source, decl, cfg, embed_tokens)
     return Imported(
         source=source.url, format=found, digest=source.digest, files=source.files, cfg=cfg, aux_layer_ids=ids,
-        tensors=tensors, dtype=_DTYPE_NAMES.get(tensors["fc.weight"].dtype, "bfloat16"), dropped=dropped,
+        tensors=tensors, dtype=dtype_name(tensors["fc.weight"].dtype), dropped=dropped,
         notes=decl.notes,
     )  # fmt: skip
 
