@@ -18,7 +18,7 @@ import torch
 from eagle3_assets.drafter.export import load_export
 from eagle3_assets.drafter.family import Family
 from eagle3_assets.drafter.served_replay import ReplayCheck, replay_served, trained_served_as
-from eagle3_assets.drafter.target_head import TargetHead, load_target_weights
+from eagle3_assets.drafter.target_head import TargetHead, TargetWeights, load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy, class_accuracy, label_rows
 from eagle3_assets.hidden_states import ExtractionRequest, extract_in_order, open_extractor
 from eagle3_assets.hidden_states.base import ExtractedSample
@@ -61,12 +61,14 @@ def token_class_accuracy(
     prompt_ids: list[list[int]],
     answers: list[list[int]],
     features: AnswerFeatures | None = None,
+    weights: TargetWeights | None = None,
 ) -> tuple[dict[str, ClassAccuracy], list[str]]:
     """acc_k per token class of the exported drafter on the target's answers, and the prompts answered unlike their
-    reference (see `token_accuracy`); `features`: the answers' features when already extracted (their first rows)."""
+    reference (see `token_accuracy`); `features` and `weights`: the answers' features (their first rows) and the
+    target's weights when the caller has them already."""
     rows, off_reference = label_rows(prompts, prompt_ids, answers, load_tokenizer(target))
     features = features or AnswerFeatures(target, settings, [r.input_ids for r in rows])
-    weights = load_target_weights(target)
+    weights = weights or load_target_weights(target)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, aux_layer_ids = load_export(export_dir, weights.embed_tokens)
     # The export's aux layers, not the settings': the features an engine will feed it.
@@ -79,12 +81,13 @@ def token_class_accuracy(
 
 
 def explain_served(
-    family: Family, target: TargetModel, export_dir: Path, served: ServedPrompts, features: AnswerFeatures,
+    family: Family, embed_tokens: torch.Tensor, export_dir: Path, served: ServedPrompts, features: AnswerFeatures,
     log: Callable[[str], None],
 ) -> list[ReplayCheck]:  # fmt: skip
-    """vLLM's speculative rounds replayed with the drafter as it trained, on the answers it served (`served_replay`)."""
+    """vLLM's speculative rounds replayed with the drafter as it trained, on the answers it served (`served_replay`);
+    `embed_tokens` is the target's embedding, which exports leave out."""
     trained, suspects = trained_served_as(family, export_dir)
-    model, aux_layer_ids = family.load_as(export_dir, load_target_weights(target).embed_tokens, trained)
+    model, aux_layer_ids = family.load_as(export_dir, embed_tokens, trained)
     model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # as the token-class accuracy runs
     samples, _ = features.of(aux_layer_ids)
     checks = replay_served(family, model, samples, list(map(len, served.prompt_ids)), served.speculative, suspects)

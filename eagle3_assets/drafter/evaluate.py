@@ -90,6 +90,7 @@ from eagle3_assets.drafter.served_passes import (
     serve_or_reuse,
 )
 from eagle3_assets.drafter.served_replay import ReplayCheck
+from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.token_accuracy import ClassAccuracy
 from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version, generate_runs_in_subprocess
 from eagle3_assets.errors import Eagle3Error, Refusal
@@ -449,15 +450,17 @@ def evaluate_drafter(
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
         export_dir = serve_passes(store, out, target, settings, served, Path(tmp), max_tokens, log, family)
         rows = [[*p, *a] for p, a in zip(served.prompt_ids, served.plain_outputs, strict=True)]
-        features = AnswerFeatures(target, settings, rows)
-        report.replay = explain_served(family_of(family, settings, target), target, export_dir, served, features, log)
+        features, weights = AnswerFeatures(target, settings, rows), load_target_weights(target)  # read once for both
+        report.replay = explain_served(
+            family_of(family, settings, target), weights.embed_tokens, export_dir, served, features, log
+        )
         # By token class through EAGLE-3's TTT unroll; a block drafter's classes would need its own (not yet).
         if family.token_classes:
             log("drafter_eval: acc_k by token class on the greedy answers (training objective, export's aux layers)")
             n = served.original  # the original held-out prompts: the ones that carry token classes
             report.token_accuracy, report.off_reference = token_class_accuracy(
                 target, settings, export_dir, served.prompts[:n], served.prompt_ids[:n], served.plain_outputs[:n],
-                features,
+                features, weights,
             )  # fmt: skip
         for c, acc in report.token_accuracy.items():
             if acc.predictions[0]:
