@@ -1,26 +1,38 @@
 """A DFlash drafter published in z-lab's layout, as the real `dflash` package (PyPI 0.1.0) saves its DFlashDraftModel,
 imports as this project's DFlash export: it drafts exactly what z-lab's own forward drafts through the target's head,
-each misfit is refused naming both values, and `start_from` installs it as the release (issue 53, item 1)."""
+each misfit is refused naming both values, `start_from` installs it as the release, and the first DFlash drafter
+continues it on the store's vocab map (issue 53, item 1)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
+from eagle3_assets.drafter.continuation import ContinuationPlan
 from eagle3_assets.drafter.dflash_export import load_dflash_export
 from eagle3_assets.drafter.dflash_import import import_dflash
+from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
+from eagle3_assets.drafter.family import head_on_map
 from eagle3_assets.drafter.import_formats import ImportRefusal, read_source
-from eagle3_assets.drafter.imported_release import start_from
-from eagle3_assets.drafter.release import RELEASE_DIR
+from eagle3_assets.drafter.imported_release import start_from, uncovered
+from eagle3_assets.drafter.release import RELEASE_DIR, target_version
+from eagle3_assets.drafter.run import run_plan, train_and_export
 from eagle3_assets.drafter.target_head import load_target_weights
+from eagle3_assets.drafter.train import train_drafter
+from eagle3_assets.families import DFLASH
 from eagle3_assets.release_record import read_release_record
+from eagle3_assets.settings import DFlashSettings, TrainingSettings
 from eagle3_assets.storage import ArtifactStore
 
-from .helpers import HIDDEN, VOCAB, target_of, tiny_llama
+from .conftest import tiny_settings
+from .helpers import DRAFT_VOCAB, HIDDEN, VOCAB, random_rows, random_vocab_map, target_of, tiny_llama, write_shard
 
 K, MASK = 3, 5
 
@@ -152,3 +164,73 @@ def test_start_from_installs_it_as_a_dflash_release(published, tmp_path: Path):
     assert aux_layer_ids == [1, 2, 3] and model.config.draft_vocab_size == VOCAB
     # Its mask slots are the target's embedding of the mask token, as published.
     torch.testing.assert_close(model.mask_embedding.data, load_target_weights(target).embed_tokens[MASK].float())
+
+
+def test_an_imported_dflash_release_continues_on_the_stores_map_from_its_weights(published, tmp_path: Path):
+    """Its head drafts over the whole vocabulary through the target's; continued on the store's map of 64 draft ids,
+    it starts from those ids' rows of it (the rows a fresh head starts from) and every other weight as published."""
+    target, published_dir, _ = published
+    store = ArtifactStore(tmp_path / "store")
+    hf = LlamaForCausalLM.from_pretrained(target.path)
+    rows = random_rows(24, seed=0, min_len=8, max_len=16)
+    keys = [write_shard(store, hf, rows[:12], 0), write_shard(store, hf, rows[12:], 12)]
+    assert start_from(store, str(published_dir), target, target_version=target_version(store), fmt="dflash").installed
+    vmap = random_vocab_map(seed=1)  # the store's own: a DFlash import's map is not adopted
+    vmap.save(store)
+    training = TrainingSettings(batch_tokens=96, warmup_steps=2, checkpoint_every=100, heldout_rows=4, device="cpu")
+    # Published with blocks of K = 3 mask slots, continued with 7: no weight depends on the slots' count.
+    dflash = DFlashSettings(num_layers=2, block_size=7, mask_token_id=MASK, epochs=4.0, lr=3e-3)
+    settings = tiny_settings(drafters=["dflash"], training=training, dflash=dflash)
+    trained, _, plan, _, _ = run_plan(store, target, settings, keys, DFLASH)
+    record = read_release_record(store)
+    imported = {"source": f"file://{published_dir}", "format": "dflash", "sha256": record.imported["sha256"]}
+    assert plan == ContinuationPlan(True, "", record.export_sha256, [], keys, imported=imported)
+
+    # Before its first step: the published weights, its head on the store's map.
+    start = train_drafter(store, keys, vmap=vmap, target=target, settings=trained.training, family=trained,
+                          continuation=plan, max_steps=0, resume=False, log=lambda _: None)  # fmt: skip
+    released = {k: v.float() for k, v in load_file(str(store.local_path(f"{RELEASE_DIR}/model.safetensors"))).items()}
+    state = start.model.trainable_state_dict()
+    ids = torch.from_numpy(vmap.d2t) + torch.arange(len(vmap.d2t))
+    assert torch.equal(state["lm_head.weight"], released["lm_head.weight"][ids])
+    assert torch.equal(state["lm_head.weight"], load_target_weights(target).lm_head[ids].float())
+    assert torch.equal(state["t2d"], torch.from_numpy(vmap.t2d)) and torch.equal(state["d2t"], torch.from_numpy(vmap.d2t))
+    published_mask = torch.load(store.local_path(f"{RELEASE_DIR}/mask_embedding.pt"), weights_only=True)["embedding"]
+    assert torch.equal(state["mask_embedding"], published_mask.float())
+    others = set(state) - {"lm_head.weight", "t2d", "d2t", "mask_embedding"}
+    assert others == set(released) - {"lm_head.weight", "t2d"} and len(others) == 2 * 11 + 3
+    for name in others:
+        assert torch.equal(state[name], released[name]), name
+
+    # The drafter asset's run: trained warm, on every shard; its export says from what.
+    run = train_and_export(store, target, settings, keys, log=lambda _: None, family=DFLASH)
+    c = run.result.continued
+    assert c is not None and run.result.step == c.steps and (c.new_rows, c.replayed) == (20, 0)
+    assert run.summary["trained"].startswith(f"continued from the imported release (file://{published_dir}, dflash ")
+    on = store.child(DFLASH.root).read_json(f"{EXPORT_DIR}/{TRAINED_ON_FILE}")
+    assert (list(on["shards"]), on["continued_from"], on["imported"]) == (keys, record.export_sha256, imported)
+
+    # A drafter the settings shape otherwise is trained from scratch, the plan naming each difference.
+    def differences(**changes) -> list[str]:
+        other = tiny_settings(drafters=["dflash"], dflash=dflash.model_copy(update=changes))
+        return run_plan(store, target, other, keys, DFLASH)[0].import_differences(store, target, vmap)
+
+    assert differences(num_layers=5, mask_token_id=6) == [
+        "num_layers: release 2, now 5 (dflash.num_layers)", "mask_token_id: release 5, now 6 (dflash.mask_token_id)",
+    ]  # fmt: skip
+    assert differences(aux_layer_ids=[2, 3]) == ["aux layer ids: release [1, 2, 3], now [2, 3] (dflash.aux_layer_ids)"]
+
+
+def test_a_head_is_continued_only_on_a_map_its_own_holds():
+    own, store_map = random_vocab_map(seed=1), random_vocab_map(seed=2)
+    head = {"lm_head.weight": torch.randn(DRAFT_VOCAB, HIDDEN), "d2t": torch.from_numpy(own.d2t),
+            "t2d": torch.from_numpy(own.t2d)}  # fmt: skip
+    assert head_on_map(head, torch.from_numpy(own.d2t), torch.from_numpy(own.t2d)) is head
+    outside = np.flatnonzero(store_map.t2d & ~own.t2d)
+    with pytest.raises(TrainingError) as e:
+        head_on_map(head, torch.from_numpy(store_map.d2t), torch.from_numpy(store_map.t2d))
+    assert str(e.value) == (
+        f"the release cannot continue on the store's vocab map: {len(outside)} of its draft tokens (the first, target "
+        f"id {outside[0]}) are not among the release's {DRAFT_VOCAB} draft ids"
+    )
+    assert uncovered(own, store_map) == outside.tolist()

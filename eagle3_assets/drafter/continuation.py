@@ -139,7 +139,7 @@ def continuation_plan(
 
 def imported_plan(release: ReleaseRecord, now: Mapping[str, Any], differences: Sequence[str] | None) -> ContinuationPlan:
     """Continue an imported release on every shard (module docstring), or train from scratch naming why;
-    `differences`: how it differs from the drafter the family builds (`imported_release.import_differences`)."""
+    `differences`: how it differs from the drafter the family builds (`Family.import_differences`)."""
     imported = release.imported
     what = f"the release is imported from {imported.get('source')} ({imported.get('format')} format)"
     if release.family != now["family"]:
@@ -194,7 +194,11 @@ def plan_continuation(
     all still on disk: a from-scratch run extracts nothing again. `import_differences`: how an imported release differs
     from the drafter this family builds, asked only of one."""
     release, released_on = read_release(store, owner=owner)
-    imported = release is not None and bool(release.imported) and import_differences is not None
+    # Compared only within its family: another family's release is not continued whatever it holds.
+    imported = (
+        release is not None and bool(release.imported) and release.family == now["family"]
+        and import_differences is not None
+    )  # fmt: skip
     plan = continuation_plan(release, released_on, now, import_differences(store) if imported else None)
     if plan.continues or not rolling or released_on is None or released_on.get("family") == now["family"]:
         return plan

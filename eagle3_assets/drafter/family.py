@@ -36,6 +36,7 @@ from eagle3_assets.drafter.dflash_loss import dflash_forward, slot_weights
 from eagle3_assets.drafter.dflash_model import DFlashConfig, DFlashDrafter
 from eagle3_assets.drafter.errors import TrainingError
 from eagle3_assets.drafter.export import export_drafter, exported_config, load_export
+from eagle3_assets.drafter.imported_release import dflash_import_differences, import_differences
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.target_head import Targets, TargetWeights
 from eagle3_assets.drafter.ttt import TTTOutput, ttt_forward
@@ -78,6 +79,11 @@ class Family(Protocol):
 
     def warm_start(self, model: nn.Module, store: ArtifactStore, rel: str) -> None:
         """Load an export of this family (`rel` in `store`: the release) into `model`, as float32."""
+        ...
+
+    def import_differences(self, store: ArtifactStore, target: TargetModel, vmap: VocabMap) -> list[str]:
+        """Each way the release imported into `store` (`imported_release.py`) differs from the drafter `build` makes
+        on `vmap`, naming both values and the setting; empty when `warm_start` loads it into that drafter."""
         ...
 
     def fingerprint(self) -> dict[str, Any]:
@@ -192,6 +198,9 @@ class Eagle3(_Specified):
         # The export's names are `trainable_state_dict`'s, less `d2t` when the draft vocab is the full vocab.
         load_export_weights(model, st_load(store.read_bytes(f"{rel}/model.safetensors")), store.url_of(rel))
 
+    def import_differences(self, store: ArtifactStore, target: TargetModel, vmap: VocabMap) -> list[str]:
+        return import_differences(store, self.drafter_config(target, vmap), target.aux_layer_ids, vmap)
+
     def fingerprint(self) -> dict[str, Any]:
         return {}  # its settings are the training settings themselves (`fingerprint.run_fingerprint`)
 
@@ -235,17 +244,24 @@ class DFlash(_Specified):
         self, target: TargetModel, weights: TargetWeights, vmap: VocabMap, aux_layer_ids: Sequence[int], seed: int,
         intermediate_size: int | None,
     ) -> DFlashDrafter:
-        d = self.dflash
-        cfg = DFlashConfig.from_target(
-            target, draft_vocab_size=len(vmap.d2t), num_aux_layers=len(self.aux_layer_ids(aux_layer_ids)),
-            intermediate_size=intermediate_size, num_layers=d.num_layers, block_size=d.block_size,
-            mask_token_id=self.mask_token_id,
-        )  # fmt: skip
+        cfg = self.drafter_config(target, vmap, aux_layer_ids, intermediate_size)
         torch.manual_seed(seed)
         model = DFlashDrafter(cfg, vmap.d2t, vmap.t2d, embed_tokens=weights.embed_tokens.clone())
         _start_lm_head(model, weights, self.training.train_lm_head)
         self._columns = _aux_columns(aux_layer_ids, self.aux_layer_ids(aux_layer_ids), target.hidden_size)
         return model
+
+    def drafter_config(
+        self, target: TargetModel, vmap: VocabMap, stored: Sequence[int], intermediate_size: int | None = None
+    ) -> DFlashConfig:
+        """The shape `build` gives the drafter over the `stored` aux layers: an imported release is continued only
+        into this one."""
+        d = self.dflash
+        return DFlashConfig.from_target(
+            target, draft_vocab_size=len(vmap.d2t), num_aux_layers=len(self.aux_layer_ids(stored)),
+            intermediate_size=intermediate_size, num_layers=d.num_layers, block_size=d.block_size,
+            mask_token_id=self.mask_token_id,
+        )  # fmt: skip
 
     def objective(self, model: nn.Module, batch: Batch, targets: Targets, step: int | None) -> TTTOutput:
         s, d = self.training, self.dflash
@@ -280,7 +296,12 @@ class DFlash(_Specified):
         # The mask embedding ships beside the weights, in the one file vLLM reads it from.
         mask = torch.load(io.BytesIO(store.read_bytes(f"{rel}/{MASK_EMBEDDING_FILE}")), weights_only=True)
         tensors["mask_embedding"] = mask["embedding"]
-        load_export_weights(model, tensors, store.url_of(rel))
+        load_export_weights(model, head_on_map(tensors, model.d2t.cpu(), model.t2d.cpu()), store.url_of(rel))
+
+    def import_differences(self, store: ArtifactStore, target: TargetModel, vmap: VocabMap) -> list[str]:
+        stored = target.aux_layer_ids
+        built = self.drafter_config(target, vmap, stored)
+        return dflash_import_differences(store, built, self.aux_layer_ids(stored), vmap)
 
     def fingerprint(self) -> dict[str, Any]:
         return {"dflash": self.dflash.model_dump(), "mask_token_id": self.mask_token_id}
@@ -338,6 +359,27 @@ def load_export_weights(model: nn.Module, tensors: dict[str, torch.Tensor], wher
     with torch.no_grad():
         for n, t in own.items():
             t.copy_(tensors[n].to(device=t.device, dtype=t.dtype))
+
+
+def head_on_map(tensors: dict[str, torch.Tensor], d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An export's `tensors` with its head on the vocab map (`d2t`, `t2d`): its `lm_head` rows for that map's draft
+    tokens, which its own map must hold. A DFlash import drafts over the whole vocabulary through the target's own
+    head, so on the store's smaller map it starts from the rows a fresh head would (`_start_lm_head`), every other
+    weight as published; on its own map it is as it was."""
+    rows = tensors["lm_head.weight"].shape[0]
+    own = torch.arange(rows) + tensors.get("d2t", torch.zeros(rows, dtype=torch.long)).long()  # draft id -> target id
+    if torch.equal(own, torch.arange(len(d2t)) + d2t.long()):
+        return tensors
+    row_of = torch.full((len(t2d),), -1, dtype=torch.long)
+    row_of[own] = torch.arange(rows)
+    picked = row_of[torch.arange(len(d2t)) + d2t.long()]
+    if (outside := torch.nonzero(picked < 0).flatten()).numel():
+        first = int(outside[0] + d2t[outside[0]])
+        raise TrainingError(
+            f"the release cannot continue on the store's vocab map: {outside.numel()} of its draft tokens (the first, "
+            f"target id {first}) are not among the release's {rows} draft ids"
+        )
+    return tensors | {"lm_head.weight": tensors["lm_head.weight"][picked], "d2t": d2t.clone(), "t2d": t2d.clone()}
 
 
 def _aux_columns(stored: Sequence[int], wanted: Sequence[int], hidden: int) -> torch.Tensor:

@@ -11,10 +11,11 @@ An import never replaces a release: with one in the store, nothing is installed 
 is where a store starts, not a way to drop what it released since (remove `drafter/release/` to start over from it).
 
 It is installed where it is first needed, by the `vocab_map` asset (and by `drafter_eval`, for a store whose map was
-made before `start_from` was set): while the release is an import, the store's vocab map is the import's own
+made before `start_from` was set): while the release is an EAGLE-3 import, the store's vocab map is the import's own
 (`adopted_vocab_map`), the only map its head was trained for, so the drafter continues it (`continuation.py`) on
 every shard, from its weights exactly, into the drafter the family builds (`import_differences` names what keeps it
-from doing so).
+from doing so). A DFlash import drafts through the target's own head, so it is continued on the store's map, from
+that head's rows of it (`dflash_import_differences`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from eagle3_assets.drafter.dflash_export import dflash_exported_config
 from eagle3_assets.drafter.dflash_import import ImportedDFlash
+from eagle3_assets.drafter.dflash_model import DFlashConfig
 from eagle3_assets.drafter.export import exported_config
 from eagle3_assets.drafter.import_formats import source_url
 from eagle3_assets.drafter.importing import Imported, import_published
@@ -143,8 +147,9 @@ def adopted_vocab_map(store: ArtifactStore, freq: np.ndarray, draft_vocab_size: 
     """(the imported release's own map, what was done and what it costs), None when the release is no import: its
     `lm_head` rows are trained for its own draft ids, and a drafter is continued only on the map it was trained with.
     What it costs is its coverage of the store's loss tokens (`freq`) against a fresh map's of `draft_vocab_size`.
-    A DFlash import is not adopted: it drafts over the whole vocabulary through the target's head, and is not
-    continued (yet), so its map would only widen every head trained beside it."""
+    A DFlash import is not adopted: it drafts over the whole vocabulary through the target's head, whose rows for the
+    store's draft ids it continues from (`family.head_on_map`), so its map would only widen every head trained beside
+    it."""
     if (imported := imported_release(store)) is None or imported.get("format") == "dflash":
         return None
     own, source = release_vocab_map(store), imported["source"]
@@ -160,10 +165,10 @@ def adopted_vocab_map(store: ArtifactStore, freq: np.ndarray, draft_vocab_size: 
 def import_differences(
     store: ArtifactStore, built: DrafterConfig, aux_layer_ids: Sequence[int], vmap: VocabMap
 ) -> list[str]:
-    """Each way the imported release differs from the drafter the family builds to continue it (`built`, reading
-    `aux_layer_ids`, on the store's map `vmap`), as "norm_before_fc: release False, now True (training.norm_before_fc)";
-    empty when its weights load into it exactly. Its context is not compared: it bounds the positions served, not a
-    weight, and the continued drafter is exported with the target's."""
+    """Each way the imported EAGLE-3 release differs from the drafter the family builds to continue it (`built`,
+    reading `aux_layer_ids`, on the store's map `vmap`), as "norm_before_fc: release False, now True
+    (training.norm_before_fc)"; empty when its weights load into it exactly. Its context is not compared: it bounds
+    the positions served, not a weight, and the continued drafter is exported with the target's."""
     config = store.read_json(f"{RELEASE_DIR}/config.json")
     theirs = exported_config(config, store.url_of(RELEASE_DIR))
     out = []
@@ -174,13 +179,49 @@ def import_differences(
             f"vocab map: release its own ({theirs.draft_vocab_size} draft ids), now the store's vocab_map "
             f"({len(vmap.d2t)} draft ids; re-materialize vocab_map, which adopts an imported release's map)"
         )
-    for f in fields(DrafterConfig):
-        mine, now = getattr(theirs, f.name), getattr(built, f.name)
-        if f.name == "max_position_embeddings" or mine == now or (f.name == "draft_vocab_size" and not same_map):
-            continue
-        where = f"training.{f.name}" if f.name.startswith("norm_") else "the target's"
-        out.append(f"{f.name}: release {mine!r}, now {now!r} ({where})")
+    skip = {"max_position_embeddings"} | (set() if same_map else {"draft_vocab_size"})
+    out += field_differences(theirs, built, skip, lambda name: f"training.{name}" if name.startswith("norm_") else "")
     ids = [int(i) for i in config.get("eagle_aux_hidden_state_layer_ids") or []]
     if ids != sorted(aux_layer_ids):
         out.append(f"aux layer ids: release {ids}, now {sorted(aux_layer_ids)} (aux_layer_ids)")
     return out
+
+
+def dflash_import_differences(
+    store: ArtifactStore, built: DFlashConfig, aux_layer_ids: Sequence[int], vmap: VocabMap
+) -> list[str]:
+    """`import_differences` for an imported DFlash release, continued into the DFlash drafter `built` on the store's
+    map `vmap`, its context reading `aux_layer_ids`. Its head is remapped, not compared: a DFlash import drafts
+    over the whole vocabulary through the target's own head, whose rows for the map's draft ids are the rows a fresh
+    head starts from (`family.head_on_map`); so the map differs only where it holds a token the release cannot
+    draft. Nor is `block_size`: no weight depends on the mask slots' count."""
+    theirs, ids = dflash_exported_config(store.read_json(f"{RELEASE_DIR}/config.json"))
+    out = []
+    if outside := uncovered(release_vocab_map(store), vmap):
+        out.append(
+            f"vocab map: {len(outside)} of the store's draft tokens are outside the release's {theirs.draft_vocab_size} "
+            f"draft ids (target ids {outside[:5]}{' ...' if len(outside) > 5 else ''})"
+        )
+    own_fields = {"num_layers", "mask_token_id"}
+    skip = {"max_position_embeddings", "draft_vocab_size", "block_size", "num_aux_layers"}  # the layers: below
+    out += field_differences(theirs, built, skip, lambda name: f"dflash.{name}" if name in own_fields else "")
+    if ids != list(aux_layer_ids):
+        out.append(f"aux layer ids: release {ids}, now {list(aux_layer_ids)} (dflash.aux_layer_ids)")
+    return out
+
+
+def field_differences(theirs: Any, built: Any, skip: set[str], setting: Callable[[str], str]) -> list[str]:
+    """"name: release X, now Y (where)" for each field of the config dataclasses `theirs` and `built` that differs,
+    less `skip`; `setting(name)` names the setting that decides it ("" = the target's shape)."""
+    out = []
+    for f in fields(built):
+        mine, now = getattr(theirs, f.name), getattr(built, f.name)
+        if f.name not in skip and mine != now:
+            where = setting(f.name) or "the target's"
+            out.append(f"{f.name}: release {mine!r}, now {now!r} ({where})")
+    return out
+
+
+def uncovered(release: VocabMap, vmap: VocabMap) -> list[int]:
+    """The target ids `vmap` drafts that the release's map does not."""
+    return [int(t) for t in np.flatnonzero(vmap.t2d & ~release.t2d)]

@@ -30,7 +30,7 @@ from eagle3_assets.drafter.checkpoint import CHECKPOINTS_DIR
 from eagle3_assets.drafter.continuation import ContinuationPlan, model_loss_settings, plan_continuation, trained_on
 from eagle3_assets.drafter.distributed import DistEnv
 from eagle3_assets.drafter.export import EXPORT_DIR, EXPORT_STAGING
-from eagle3_assets.drafter.family import Eagle3, Family, family_of
+from eagle3_assets.drafter.family import Family, family_of
 from eagle3_assets.drafter.imported_release import import_differences
 from eagle3_assets.drafter.selection import BEST_DIR, load_best
 from eagle3_assets.drafter.served_replay import SERVED_AS
@@ -134,13 +134,10 @@ def run_plan(
     return trained, now, plan, vmap, run_inputs(settings, want)
 
 
-def import_fit(family: Family, target: TargetModel, vmap: VocabMap) -> Callable[[ArtifactStore], list[str]] | None:
-    """How an imported release differs from the drafter `family` builds on `vmap` (`imported_release`), for the
-    continuation plan; None for a family no published drafter is imported as (the plan names the family)."""
-    if not isinstance(family, Eagle3):
-        return None
-    built = family.drafter_config(target, vmap)
-    return lambda store: import_differences(store, built, target.aux_layer_ids, vmap)
+def import_fit(family: Family, target: TargetModel, vmap: VocabMap) -> Callable[[ArtifactStore], list[str]]:
+    """How an imported release differs from the drafter `family` builds on `vmap` (`Family.import_differences`), for
+    the continuation plan."""
+    return lambda store: family.import_differences(store, target, vmap)
 
 
 def run_inputs(settings: Settings, want: Provenance) -> dict[str, str]:
