@@ -46,10 +46,8 @@ from eagle3_assets.drafter.release import export_digest
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.demo.target import read_build_info
-from eagle3_assets.drafter.vllm_eval import (
-    generate_in_subprocess,
-    generate_runs_in_subprocess,
-)
+from eagle3_assets.drafter.served_passes import PASSES_DIR, REPORT_KEYS
+from eagle3_assets.drafter.vllm_eval import GenerationResult, generate_runs_in_subprocess
 from eagle3_assets.families import family_spec
 from eagle3_assets.hidden_states.hf_extractor import HFExtractor
 from eagle3_assets.hidden_states.shard import extract_shard
@@ -108,7 +106,8 @@ SIZES = {
     # 1,200 prompts (three shards), a target trained 600 steps, 8 epochs of the drafter (136 steps), 64 tokens
     # decoded per eval prompt. Measured, the same in `make test` (fresh clone, the fixture 211 s) and alone (target
     # on 2 threads): k=3 2.030, k=7 2.307; feature gain 1.445 / 1.598; held-out rows acc_0 0.667, eval answers
-    # 0.636 (an untrained drafter: ~0.001); fact / template eval tokens 161 / 148, 29 answers off the reference.
+    # 0.636 (0.634 on drafter_eval's own 64-token answers; an untrained drafter: ~0.001); fact / template eval tokens
+    # 161 / 148, 29 answers off the reference.
     "small": DemoSize(
         overrides={
             "demo": {"num_prompts": 1200, "train_steps": 600},
@@ -195,12 +194,15 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def answers(demo):
-    """The eval prompts, their generation prompt ids and the target's greedy answers (from vLLM)."""
+    """The eval prompts, their generation prompt ids and the target's greedy answers: those vLLM served in
+    drafter_eval's plain pass (kept in the store by its key, which the report names), the answers the report scored."""
     project, _ = demo
     prompts = load_eval_prompts(project.store)
     tokenizer = load_tokenizer(project.target())
     prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
-    plain = generate_in_subprocess(project.target_dir(), prompt_ids, max_tokens=160, max_model_len=512, ignore_eos=False)
+    key = project.store.read_json(EVAL_REPORT_FILE)[REPORT_KEYS]["plain"]
+    plain = GenerationResult.from_json(project.store.read_json(f"{PASSES_DIR}/{key}.json")["result"])
+    assert len(plain.outputs) == len(prompt_ids) and all(plain.outputs)
     return prompts, prompt_ids, plain.outputs
 
 
