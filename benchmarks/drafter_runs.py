@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from dagster import AssetKey
 
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
@@ -61,7 +62,7 @@ def demo_store(path: Path, settings: Settings | None = None) -> Project:
     if not shard_keys(project.store):
         log(f"building the store in {path} (data assets and shards, as make demo does)")
         with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
-            if not GraphStart(build_definitions(project), instance, project).run(through="hidden_states"):
+            if not GraphStart(instance, project, build=build_definitions).run(through=AssetKey("hidden_states")):
                 raise RuntimeError(f"the demo graph failed building {path}; rerun to resume")
     return project
 
