@@ -5,8 +5,10 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-# uv installs the packages pip would, from the registries pip is configured with, in a fraction of the time (2 min of
-# pip's unpacking on 2 cores, ~20 s with uv: BENCHMARKS.md `install`); pip installs whatever uv could not.
+# uv installs the packages pip would, from the registries pip is configured with, in a fraction of the time
+# (BENCHMARKS.md `install`); pip installs whatever uv could not. Compiled at install, as pip does: where
+# PYTHONDONTWRITEBYTECODE is set (this machine, CI) nothing compiles later, and every interpreter a test starts would
+# compile torch and vLLM from source again.
 "${PIP[@]}" uv==0.13.9 || true
 # pip's configuration, as `pip config list` shows it (its environment variables first, then its files), as uv options.
 PIP_CONFIG=$("$VENV/bin/python" -m pip config list 2>/dev/null || true)
@@ -22,7 +24,7 @@ for key in index-url extra-index-url find-links constraint cert; do
     done
 done
 install() {
-    if [ -x "$VENV/bin/uv" ] && "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" "${UV_OPTIONS[@]}" "$@"; then
+    if [ -x "$VENV/bin/uv" ] && "$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python" "${UV_OPTIONS[@]}" "$@"; then
         return
     fi
     echo "install: uv could not install $*; pip installs it" >&2
