@@ -80,13 +80,16 @@ class Artifact:
     # A tuple, or a function of the settings where they choose the inputs (`drafter_release`: one eval per family).
     parents: tuple[str, ...] | Callable[[Settings], tuple[str, ...]] = ()
     runs_with: tuple[str, ...] = SERVING
-    deps_apart: Mapping[str, str] = field(default_factory=dict)
+    # Where its parents and Dagster deps differ, and why; a function of the settings where they add a dep.
+    deps_apart: Mapping[str, str] | Callable[[Settings], Mapping[str, str]] = field(default_factory=dict)
     code: int = 1
     directory: str | None = None  # where its record lives, when not in a directory of its name
     # Served beside the released drafter, whose figures decide the release: which drafter is released is an input
     # (`provenance.Inputs.release`), so a change of release makes it due (but its own promotion, `RELEASE_JUDGED`), and
     # a report served beside another release is never current.
     beside_release: bool = False
+    # A settings field the asset exists for: in the graph only while it is set (`traffic`, `start_from`).
+    only_with: str | None = None
 
     @property
     def record_dir(self) -> str:
@@ -94,6 +97,12 @@ class Artifact:
 
     def parents_under(self, settings: Settings) -> tuple[str, ...]:
         return self.parents(settings) if callable(self.parents) else self.parents
+
+    def deps_apart_under(self, settings: Settings) -> Mapping[str, str]:
+        return self.deps_apart(settings) if callable(self.deps_apart) else self.deps_apart
+
+    def in_graph(self, settings: Settings) -> bool:
+        return self.only_with is None or getattr(settings, self.only_with) is not None
 
 
 def _prompts(s: Settings) -> tuple[str, ...]:
@@ -150,12 +159,11 @@ def _drafter_reads(family: FamilySpec) -> Callable[[Settings], tuple[str, ...]]:
     return reads
 
 
-def _eval_parents(family: FamilySpec) -> Callable[[Settings], tuple[str, ...]]:
+def _eval_parents(family: FamilySpec | None) -> Callable[[Settings], tuple[str, ...]]:
     # With `traffic` set, the eval serves the traffic's held-out split too (`drafter/prompt_sets.py`), which
-    # `traffic_prompts` writes.
-    return lambda s: (family.drafter_asset, "prompts", "target_model") + (
-        ("traffic_prompts",) if s.traffic is not None else ()
-    )
+    # `traffic_prompts` writes. None: the release's baseline, which serves no drafter of a family's.
+    drafter = () if family is None else (family.drafter_asset,)
+    return lambda s: (*drafter, "prompts", "target_model") + (("traffic_prompts",) if s.traffic is not None else ())
 
 
 def _release_reads(s: Settings) -> tuple[str, ...]:
@@ -181,6 +189,19 @@ _EVAL_DEPS_APART = {
 }
 
 
+def _eval_deps_apart(s: Settings) -> Mapping[str, str]:
+    # With `start_from` set, after `release_baseline`: the first eval reads the passes it served (the same passes,
+    # the same figures), so its content is no input.
+    baseline = {"release_baseline": "it serves first the passes the eval would (served_passes.py)"}
+    return _EVAL_DEPS_APART | (baseline if s.start_from is not None else {})
+
+
+def _baseline(_: Settings) -> tuple[str, ...]:
+    # Its passes: the prompts as served (their template kwargs and context bins) and the tokens decoded.
+    return ("evaluation.max_new_tokens", "generation.max_new_tokens", "generation.chat_template_kwargs",
+            "evaluation.context_bins")  # fmt: skip
+
+
 def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
     """A family's drafter and its eval, from its spec: records in its store directory (`FamilySpec.root`)."""
     where = f"{family.root}/" if family.root else ""
@@ -199,7 +220,7 @@ def family_artifacts(family: FamilySpec) -> tuple[Artifact, Artifact]:
         # A published drafter it installs as the release of a store with none, once (`imported_release.py`): what is
         # released is in no eval's provenance, and a later `start_from` never replaces a release.
         runs_with=(*SERVING, "start_from"),
-        deps_apart=_EVAL_DEPS_APART,
+        deps_apart=_eval_deps_apart,
         directory=f"{where}drafter_eval",
         beside_release=True,
     )
@@ -213,7 +234,16 @@ ARTIFACTS: dict[str, Artifact] = {
         # Checked against the target as it is validated, never changing its files.
         Artifact("target_model", _target_model, runs_with=(*SERVING, "extraction.storage_dtype", "generation.reasoning")),
         # Only in the graph with `traffic` set (`definitions.py`): its own records, nothing else's, change with it.
-        Artifact("traffic_prompts", _traffic, parents=("prompts", "target_model")),
+        Artifact("traffic_prompts", _traffic, parents=("prompts", "target_model"), only_with="traffic"),
+        # Only with `start_from` set: the import it installs (as vocab_map and the evals do) and serves is in no record.
+        Artifact(
+            "release_baseline",
+            _baseline,
+            parents=_eval_parents(None),
+            runs_with=(*SERVING, "start_from", "evaluation.reuse_passes", "evaluation.engine_load_s",
+                       "evaluation.min_tokens_per_s"),
+            only_with="start_from",
+        ),  # fmt: skip
         Artifact(
             "responses",
             _responses,

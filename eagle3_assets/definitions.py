@@ -20,6 +20,7 @@ from eagle3_assets.defs.data import checks as data_checks
 from eagle3_assets.defs.data.automation import data_condition
 from eagle3_assets.defs.data.traffic import traffic_prompts
 from eagle3_assets.defs.drafter import assets as drafter
+from eagle3_assets.defs.drafter.baseline import release_baseline_asset
 from eagle3_assets.defs.drafter.automation import drafter_condition, drafter_eval_condition, drafter_release_condition
 from eagle3_assets.defs.due import root_condition
 from eagle3_assets.defs.ops.approval import approve_plan_job
@@ -46,10 +47,12 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
     # With `traffic` set, `responses` generates from the set `traffic_prompts` writes; unset, neither changes.
     traffic = [traffic_prompts] if settings.traffic is not None else []
     responses = data.responses_asset(*(a.key for a in traffic)) if traffic else data.responses
+    # With `start_from` set, the published drafter is served alone first; every eval follows and reads its passes.
+    baseline = [release_baseline_asset(*(a.key for a in traffic))] if settings.start_from is not None else []
     # Everything after the roots follows its inputs under the daemon's `pipeline` sensor.
     followers = [
         a.with_attributes(automation_condition=data_condition(project, door))
-        for a in (*traffic, responses, data.tokenized, data.token_freq, data.vocab_map)
+        for a in (*traffic, responses, data.tokenized, data.token_freq, data.vocab_map, *baseline)
     ] + [
         asset
         for family in map(family_spec, settings.drafters)
@@ -58,7 +61,7 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
                 automation_condition=drafter_condition(project, door)
             ),
             # With `traffic` set, each eval serves the traffic's held-out split too: after `traffic_prompts`.
-            drafter.drafter_eval_asset(family, *(a.key for a in traffic)).with_attributes(
+            drafter.drafter_eval_asset(family, *(a.key for a in (*traffic, *baseline))).with_attributes(
                 automation_condition=drafter_eval_condition(project, door)
             ),
         )

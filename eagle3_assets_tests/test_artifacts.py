@@ -37,11 +37,12 @@ def parents_apart_from_deps(defs: Definitions, artifacts: Mapping[str, Artifact]
         artifact = artifacts[key.to_user_string()]
         deps = {k.to_user_string() for k in graph.get(key).parent_keys}
         parents = artifact.parents_under(settings or tiny_settings())
+        reasons = artifact.deps_apart_under(settings or tiny_settings())
         apart = set(parents) ^ deps
-        for name in sorted(apart - set(artifact.deps_apart)):
+        for name in sorted(apart - set(reasons)):
             where = "a parent" if name in parents else "a Dagster dep"
             problems.append(f"{artifact.name}: {name} is {where} only, and no reason is given")
-        for name in sorted(set(artifact.deps_apart) - apart):
+        for name in sorted(set(reasons) - apart):
             problems.append(f"{artifact.name}: a reason is given for {name}, but parents and deps agree on it")
     return problems
 
@@ -159,6 +160,25 @@ def test_with_both_families_each_assets_parents_are_its_dagster_deps_but_where_a
     settings = type(tiny_settings()).model_validate({**tiny_settings().model_dump(), "drafters": ["eagle3", "dflash"]})
     defs = build_definitions(Project(settings, ArtifactStore(tmp_path)))
     assert parents_apart_from_deps(defs, ARTIFACTS, settings) == []
+
+
+def test_with_start_from_and_traffic_the_baseline_is_served_first_and_every_eval_follows_it(tmp_path):
+    """`release_baseline` is in the graph only with `start_from` set; each eval runs after it (it reads its passes)
+    without it being an input of the eval's content, as `deps_apart` says."""
+    settings = tiny_settings(
+        drafters=["eagle3", "dflash"], start_from={"drafter": "/published"}, traffic={"log": "/gateway.jsonl"}
+    )
+    defs = build_definitions(Project(settings, ArtifactStore(tmp_path)))
+    assert parents_apart_from_deps(defs, ARTIFACTS, settings) == []
+    graph = defs.resolve_asset_graph()
+    assert {k.to_user_string() for k in graph.get(AssetKey("release_baseline")).parent_keys} == {
+        "prompts", "target_model", "traffic_prompts"
+    }  # fmt: skip
+    for name in ("drafter_eval", "drafter_eval_dflash"):
+        assert AssetKey("release_baseline") in graph.get(AssetKey(name)).parent_keys
+    unset = build_definitions(Project(tiny_settings(), ArtifactStore(tmp_path))).resolve_asset_graph()
+    assert not unset.has(AssetKey("release_baseline"))
+    assert [a for a, art in ARTIFACTS.items() if not art.in_graph(tiny_settings())] == ["traffic_prompts", "release_baseline"]
 
 
 def made_from(asset: str, settings, store: ArtifactStore, partition: str | None = None) -> str:

@@ -18,11 +18,12 @@ from eagle3_assets.drafter.continuation import ContinuationPlan
 from eagle3_assets.drafter.dflash_export import load_dflash_export
 from eagle3_assets.drafter.dflash_import import import_dflash
 from eagle3_assets.drafter.errors import TrainingError
+from eagle3_assets.drafter.eval_report import ServedReport
 from eagle3_assets.drafter.export import EXPORT_DIR, TRAINED_ON_FILE
 from eagle3_assets.drafter.family import head_on_map
 from eagle3_assets.drafter.import_formats import ImportRefusal, read_source
 from eagle3_assets.drafter.imported_release import start_from, uncovered
-from eagle3_assets.drafter.release import RELEASE_DIR, target_version
+from eagle3_assets.drafter.release import RELEASE_DIR, RELEASED, decide, export_digest, promote, target_version
 from eagle3_assets.drafter.run import run_plan, train_and_export
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.drafter.train import train_drafter
@@ -234,3 +235,36 @@ def test_a_head_is_continued_only_on_a_map_its_own_holds():
         f"id {outside[0]}) are not among the release's {DRAFT_VOCAB} draft ids"
     )
     assert uncovered(own, store_map) == outside.tolist()
+
+
+def test_an_imported_dflash_release_is_replaced_only_by_an_export_that_serves_better_beside_it(published, tmp_path: Path):
+    """The gate holds a DFlash import as it holds any release: by what it served beside the export (here a report as
+    drafter_eval writes it; the serving itself: test_dflash.py serves an import, test_drafter_eval_beside.py the gate on
+    a served one). Beaten, it is replaced, and the new release keeps its figures as the ones it replaced."""
+    target, published_dir, _ = published
+    store = ArtifactStore(tmp_path / "store")
+    start_from(store, str(published_dir), target, target_version="v1", fmt="dflash")
+    imported = read_release_record(store)
+    source = store.child(DFLASH.root)
+    source.write_bytes(f"{EXPORT_DIR}/model.safetensors", b"a DFlash export")
+    source.write_json(f"{EXPORT_DIR}/config.json", {"architectures": ["DFlashDraftModel"]})
+
+    def report(k3: float, k7: float) -> ServedReport:
+        released = {"export_sha256": imported.export_sha256, "mean_acceptance_length_k3": 1.5,
+                    "mean_acceptance_length_k7": 1.6, "outputs_match_greedy": True}  # fmt: skip
+        return ServedReport.from_json({
+            "export_sha256": export_digest(source), "mean_acceptance_length_k3": k3, "mean_acceptance_length_k7": k7,
+            "outputs_match_greedy": True, "beside": {RELEASED: released},
+        })  # fmt: skip
+
+    worse = decide(store, report(1.4, 1.7), "v1", 1.1, source, family="dflash")
+    assert not worse.promote and worse.reason == (
+        "the new export serves at mean acceptance length 1.400 at k=3, the released drafter at 1.500 (same prompts, k "
+        "and engine): not promoted, the released drafter stays"
+    )
+    better = decide(store, report(1.9, 2.2), "v1", 1.1, source, family="dflash")
+    assert better.promote and better.released == {"k3": 1.5, "k7": 1.6}
+    promote(store, better, report(1.9, 2.2), "v1", source, "dflash")
+    record = read_release_record(store)
+    assert (record.family, record.imported, record.replaced) == ("dflash", {}, {"k3": 1.5, "k7": 1.6})
+    assert record.export_sha256 == export_digest(source) and record.released_on.acceptance == {"k3": 1.9, "k7": 2.2}

@@ -1,6 +1,7 @@
-"""`drafter_eval` in vLLM (CPU build) with a reference drafter served beside ours, and the release gate on what it
-served: one evaluation, seven engine starts (plain; ours at k=3 and k=7, features kept and zeroed; the reference at
-k=3 and k=7). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7). With
+"""`drafter_eval` in vLLM (CPU build) with a reference drafter and an imported release served beside ours, and the
+release gate on what it served. The import is served alone first (`release_baseline.py`: plain, then at k=3 and k=7),
+and the eval reads those two passes of it: ten engine starts in all (the eval's plain pass again, ours at k=3 and k=7,
+features kept and zeroed, the reference at k=3 and k=7). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7). With
 `traffic` set, the traffic's held-out prompts are served in the same passes, and each drafter is reported on each prompt
 set (issue 53, item 3); the report without it is held by the unit tests of its form (test_context_bins.py)."""
 
@@ -12,17 +13,24 @@ import torch
 
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ORIGINAL_SET, PROMPT_SETS, TRAFFIC_SET, ServedReport
 from eagle3_assets.drafter.evaluate import REFERENCE, eval_prompt_ids, evaluate_drafter
-from eagle3_assets.drafter.export import export_drafter
+from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.family import build_drafter
+from eagle3_assets.drafter.imported_release import install_start_from
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import (
+    RELEASED,
     export_digest,
     release_decision,
     released_figures,
+    released_sets,
     traffic_decision,
 )
+from eagle3_assets.drafter.release_baseline import Baseline, serve_release_baseline
+from eagle3_assets.drafter.served_passes import PASSES_DIR
 from eagle3_assets.drafter.target_head import load_target_weights
 from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, dump_prompts
+from eagle3_assets.provenance import Provenance, Record, write_record
+from eagle3_assets.release_record import read_release_record
 from eagle3_assets.settings import EvaluationSettings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
@@ -66,6 +74,10 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     zeroed = drafter.trainable_state_dict() | {"lm_head.weight": torch.zeros_like(drafter.lm_head.weight)}
     export_drafter(store, zeroed, cfg, aux_layer_ids=AUX, dtype="float32")
     reference_dir = store.local_path("reference")
+    # Issue 53: a published drafter (another untrained one, in the EAGLE-3 layout) is the store's starting release.
+    published = build_drafter(cfg, load_target_weights(target), vmap, seed=1).trainable_state_dict()
+    export_drafter(ArtifactStore(tmp_path / "published"), published, cfg, aux_layer_ids=AUX, dtype="float32")
+    write_record(store, Record(Provenance("target_model", {}, {}, 1), version="target-v1"))  # what passes are kept by
     settings = tiny_settings(
         target_model=str(target_dir),
         evaluation=EvaluationSettings(
@@ -75,8 +87,11 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
             min_prompts_per_bin=max(2, counts[long] + 1),
         ),
         traffic=TrafficSettings(log=str(tmp_path / "gateway.jsonl")),  # its held-out split, written above, is served
+        start_from={"drafter": str(tmp_path / "published" / EXPORT_DIR)},
     )
     lines: list[str] = []
+    assert install_start_from(store, settings, target).installed
+    baseline = serve_release_baseline(store, target, settings, log=lines.append)
     report = evaluate_drafter(store, target, settings, log=lines.append)
 
     assert report.outputs_match, report.mismatches
@@ -105,15 +120,38 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     assert f"context bins with fewer than evaluation.min_prompts_per_bin {counts[long] + 1} prompts" in "\n".join(lines)
     assert_prompt_sets(written, counts, lines, store.url_of(TRAFFIC_HELDOUT_FILE))
 
-    # Nothing released yet, and still the zeroed head is not released: it serves at 1.0.
+    # The import was served alone first; the eval read those passes, so the gate holds the very figures it served.
     served = ServedReport.read(store)
+    assert_served_first(store, baseline, served, lines)
     decision = release_decision(served, released_figures(store, served), settings.evaluation.release_min_acceptance)
-    assert not decision.promote and decision.released is None
+    assert not decision.promote and decision.released == baseline.served.acceptance
     assert decision.reason.startswith("the new export serves at mean acceptance length 1.000 at k=3, below")
-    on_sets = traffic_decision(served, None, settings.evaluation.release_min_acceptance, 0.02)
-    assert not on_sets.promote and on_sets.reason.startswith(
+    on_sets = traffic_decision(
+        served, released_sets(store, served), settings.evaluation.release_min_acceptance, 0.02
+    )
+    assert not on_sets.promote and on_sets.released == baseline.served.sets[TRAFFIC_SET].acceptance
+    assert on_sets.reason.startswith(
         "the new export serves at mean acceptance length 1.000 at k=3 on the traffic's held-out prompts, below"
     )
+
+
+def assert_served_first(store: ArtifactStore, baseline: Baseline, served: ServedReport, lines: list[str]) -> None:
+    """The import's figures as the baseline served them, in its record and in the eval's report (read, not served)."""
+    figures = baseline.served
+    assert figures is not None and figures.outputs_match_greedy and set(figures.acceptance) == {"k3", "k7"}
+    assert set(figures.sets) == {ORIGINAL_SET, TRAFFIC_SET}
+    record = read_release_record(store)
+    assert record.released_on.acceptance == figures.acceptance and record.sets[TRAFFIC_SET].acceptance == (
+        figures.sets[TRAFFIC_SET].acceptance
+    )
+    assert record.reason == baseline.reason and baseline.reason.endswith(
+        "served alone on the held-out prompts before any export: "
+        + ", ".join(f"k={k[1:]} {v:.3f}" for k, v in figures.acceptance.items())
+    )
+    assert served.beside[RELEASED] == figures and figures.sha256 == record.export_sha256
+    assert "drafter_eval: 2 of the 9 passes served before from the same target, prompts, drafter and engine, their " \
+        f"figures read from {store.url_of(PASSES_DIR)}: released k=3, released k=7" in lines, lines  # fmt: skip
+    assert any(line.startswith("drafter_eval: serving 7 of the 9 passes (plain, k=3, ") for line in lines), lines
 
 
 def assert_prompt_sets(written: dict, counts: dict[str, int], lines: list[str], traffic_file: str) -> None:

@@ -353,7 +353,7 @@ def toward(project: Project, staleness: Staleness) -> str:
             roots[root] = staleness.expected(root).made_from
         except ProvenanceError as e:  # an outside file gone: the plan says so too, and a new one is another plan
             roots[root] = str(e)
-    code = {a: code_version(a, project.settings) for a in ARTIFACTS if a != "traffic_prompts" or project.settings.traffic}
+    code = {a: code_version(a, project.settings) for a, art in ARTIFACTS.items() if art.in_graph(project.settings)}
     return digest({"code": code, "roots": roots})
 
 

@@ -11,6 +11,8 @@ from eagle3_assets.errors import Refusal
 from eagle3_assets.storage import ArtifactStore
 
 EVAL_REPORT_FILE = "drafter_eval/report.json"
+# An imported release's figures, served before any eval (`release_baseline.py`): its passes are the first eval's.
+BASELINE_REPORT_FILE = "release_baseline/report.json"
 ACCEPTANCE_PREFIX = "mean_acceptance_length_k"
 ABOUT = ("prompts", "max_tokens", "prompts_file", "engine")  # how it was served, kept with a release
 PROMPTS_BY_BIN = "prompts_by_context_bin"  # context bin ("0-1024", `context_bins`) -> held-out prompts in it

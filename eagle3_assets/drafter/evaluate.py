@@ -84,6 +84,7 @@ from eagle3_assets.drafter.run import DRAFTER_METRICS_FILE, heldout_metrics
 from eagle3_assets.drafter.served_passes import (
     PASSES_DIR,
     REPORT_KEYS,
+    ServedPass,
     drafter_digests,
     prompts_digest,
     prune,
@@ -491,6 +492,14 @@ def pass_context(store: ArtifactStore, prompt_ids: Sequence[Sequence[int]], comm
     }  # fmt: skip
 
 
+PLAIN_RUN: dict[str, Any] = {"margins": True}  # the plain pass: greedy, with each token's top-two logprob gap
+
+
+def drafter_run(directory: Path, method: str, k: int, zeroed: bool = False) -> dict[str, Any]:
+    """One drafter's pass at k, as every eval asks for it (a kept pass is found again by these arguments)."""
+    return {"draft_dir": directory, "method": method, "num_speculative_tokens": k, "zero_fc": zeroed}
+
+
 def serve_passes(
     store: ArtifactStore, out: ArtifactStore, target: TargetModel, settings: Settings, served: ServedPrompts, tmp: Path,
     max_tokens: int, log: Callable[[str], None], family: FamilySpec,
@@ -516,12 +525,31 @@ def serve_passes(
         f"{len(labels)} passes"
     )
     runs = (
-        [{"margins": True}]
-        + [{"draft_dir": export_dir, "method": family.vllm_method, "num_speculative_tokens": k, "zero_fc": zeroed}
-           for k, zeroed in variants]
-        + [{"draft_dir": d, "method": method, "num_speculative_tokens": k, "zero_fc": False}
-           for _, d, method, k in beside]
-    )  # fmt: skip
+        [PLAIN_RUN]
+        + [drafter_run(export_dir, family.vllm_method, k, zeroed) for k, zeroed in variants]
+        + [drafter_run(d, method, k) for _, d, method, k in beside]
+    )
+    passes = served_or_reused(store, target, settings, served, labels, runs, log,
+                              drafters={d: digest.files for d, digest in read.items()})  # fmt: skip
+    plain, *speculative = passes
+    for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
+        report.add_run(k, zeroed, plain.result, spec.result, log, spec.plain_tokens_per_s)
+        if not zeroed:
+            served.speculative[k] = spec.result
+    where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
+    for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
+        report.add_beside(name, where.get(name, str(d)), k, plain.result, spec.result, digests[name])
+    return export_dir
+
+
+def served_or_reused(
+    store: ArtifactStore, target: TargetModel, settings: Settings, served: ServedPrompts, labels: Sequence[str],
+    runs: Sequence[Mapping[str, Any]], log: Callable[[str], None], drafters: Mapping[str, str] | None = None,
+) -> list[ServedPass]:  # fmt: skip
+    """`runs` (the plain pass first, `labels` naming each) on `served`'s prompts, each read from the store where the
+    same pass was served before (`served_passes.py`), the rest served in one interpreter; `served.plain_outputs` and
+    `served.report.served_passes` / `passes_reused` are set from them. `drafters`: digests already read, by directory."""
+    report, prompt_ids, max_tokens = served.report, served.prompt_ids, served.report.max_tokens
     # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel takes no
     # float32, and a drafter is judged beside the target as it is served.
     common = {
@@ -543,8 +571,7 @@ def serve_passes(
             on_result=lambda i, r: (on_result(i, r), logger(i, r)), cpu_cores=settings.vllm.cpu_cores,
         )  # fmt: skip
 
-    passes = serve_or_reuse(store, runs, context, serve, log, reuse=settings.evaluation.reuse_passes,
-                            drafters={d: digest.files for d, digest in read.items()})  # fmt: skip
+    passes = serve_or_reuse(store, runs, context, serve, log, reuse=settings.evaluation.reuse_passes, drafters=drafters)
     if reused := [label for label, p in zip(labels, passes, strict=True) if p.reused]:
         log(
             f"drafter_eval: {len(reused)} of the {len(labels)} passes served before from the same target, prompts, "
@@ -552,16 +579,8 @@ def serve_passes(
         )
     report.served_passes = {label: p.key for label, p in zip(labels, passes, strict=True) if p.key}
     report.passes_reused = reused
-    plain, *speculative = passes
-    served.plain_outputs = plain.result.outputs
-    for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
-        report.add_run(k, zeroed, plain.result, spec.result, log, spec.plain_tokens_per_s)
-        if not zeroed:
-            served.speculative[k] = spec.result
-    where = {RELEASED: store.url_of(RELEASE_DIR)}  # not the copy served, gone with the run
-    for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
-        report.add_beside(name, where.get(name, str(d)), k, plain.result, spec.result, digests[name])
-    return export_dir
+    served.plain_outputs = passes[0].result.outputs
+    return passes
 
 
 def _pass_logger(labels: Sequence[str], log: Callable[[str], None]) -> Callable[[int, GenerationResult], None]:

@@ -3,9 +3,9 @@
 The release directory (`drafter/release/`, docs/DESIGN.md §2) gets what a promoted export has: `config.json` and
 `model.safetensors` in our export layout (`importing.py` converts and checks it against the target first), and
 `release.json` with the target version it is released for, its family, `export_sha256`, and `imported`: where it
-came from (`source`), its `format`, and the sha256 of its files. Its `acceptance` is empty: it has not been served
-here yet. `drafter_eval` serves the released drafter beside the next export on the held-out prompts, and those figures
-are the bar the gate holds (`release.released_figures`).
+came from (`source`), its `format`, and the sha256 of its files. Its `acceptance` is empty until `release_baseline`
+serves it alone on the held-out prompts (`release_baseline.py`); `drafter_eval` serves the released drafter beside the
+next export, reading those passes, and those figures are the bar the gate holds (`release.released_figures`).
 
 An import never replaces a release: with one in the store, nothing is installed and the result says why. An import
 is where a store starts, not a way to drop what it released since (remove `drafter/release/` to start over from it).

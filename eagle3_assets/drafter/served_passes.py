@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.drafter.errors import EvaluationError
-from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE
+from eagle3_assets.drafter.eval_report import BASELINE_REPORT_FILE, EVAL_REPORT_FILE
 from eagle3_assets.drafter.export import TRAINED_ON_FILE
 from eagle3_assets.drafter.vllm_eval import GenerationResult
 from eagle3_assets.errors import Eagle3Error
@@ -164,11 +164,11 @@ def _write(store: ArtifactStore, served: ServedPass, log: Callable[[str], None])
 
 
 def prune(store: ArtifactStore, log: Callable[[str], None]) -> int:
-    """Remove the kept passes no family's report names (`REPORT_KEYS`); returns how many. Nothing is removed while a
-    report cannot be read: what it names is not known."""
+    """Remove the kept passes no family's report names (`REPORT_KEYS`), nor an imported release's baseline (the first
+    eval's to read); returns how many. Nothing is removed while a report cannot be read: what it names is not known."""
     named: set[str] = set()
-    for family in FAMILIES.values():
-        rel = f"{family.root}/{EVAL_REPORT_FILE}".lstrip("/")
+    reports = [f"{family.root}/{EVAL_REPORT_FILE}".lstrip("/") for family in FAMILIES.values()]
+    for rel in [*reports, BASELINE_REPORT_FILE]:
         try:
             if store.exists(rel):
                 named.update((store.read_json(rel).get(REPORT_KEYS) or {}).values())

@@ -139,8 +139,8 @@ def drafter_eval_asset(family: FamilySpec = EAGLE3, *after: AssetKey) -> AssetsD
         ],
         description=f"The {family.name} export served with the target in vLLM on held-out prompts: acceptance at 3 and 7 "
         "speculative tokens, and the features' share of it; with `traffic`, on the traffic's held-out split and the "
-        "original held-out prompts each (`prompt_sets`). With `start_from`, a store with no release first gets the "
-        "published drafter as its release, served beside the export as the bar the gate holds.",
+        "original held-out prompts each (`prompt_sets`). With `start_from`, after `release_baseline`, which installs the "
+        "published drafter as the release and serves it first: its passes are read here, the bar the gate holds.",
     )
     def drafter_eval(context: AssetExecutionContext, project: ResourceParam[Project]) -> MaterializeResult:
         with failures():
