@@ -1,7 +1,8 @@
 """`drafter_eval` in vLLM (CPU build) with a reference drafter and an imported release served beside ours, and the
-release gate on what it served. The import is served alone first (`release_baseline.py`: plain, then at k=3 and k=7),
-and the eval reads those two passes of it: ten engine starts in all (the eval's plain pass again, ours at k=3 and k=7,
-features kept and zeroed, the reference at k=3 and k=7). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7). With
+release gate on what it served. The reference is imported as the store's release (`start_from`) and served alone first
+(`release_baseline.py`: plain, then at k=3 and k=7); the eval reads those passes, for the release and the reference
+alike (the same files): eight engine starts in all (the eval's plain pass again, ours at k=3 and k=7, features kept
+and zeroed). The prompts span two context bins, so each pass reads vLLM's counters per bin (issue 43, item 7). With
 `traffic` set, the traffic's held-out prompts are served in the same passes, and each drafter is reported on each prompt
 set (issue 53, item 3); the report without it is held by the unit tests of its form (test_context_bins.py)."""
 
@@ -13,7 +14,7 @@ import torch
 
 from eagle3_assets.drafter.eval_report import EVAL_REPORT_FILE, ORIGINAL_SET, PROMPT_SETS, TRAFFIC_SET, ServedReport
 from eagle3_assets.drafter.evaluate import REFERENCE, eval_prompt_ids, evaluate_drafter
-from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
+from eagle3_assets.drafter.export import export_drafter
 from eagle3_assets.drafter.family import build_drafter
 from eagle3_assets.drafter.imported_release import install_start_from
 from eagle3_assets.drafter.model import DrafterConfig
@@ -74,9 +75,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     zeroed = drafter.trainable_state_dict() | {"lm_head.weight": torch.zeros_like(drafter.lm_head.weight)}
     export_drafter(store, zeroed, cfg, aux_layer_ids=AUX, dtype="float32")
     reference_dir = store.local_path("reference")
-    # Issue 53: a published drafter (another untrained one, in the EAGLE-3 layout) is the store's starting release.
-    published = build_drafter(cfg, load_target_weights(target), vmap, seed=1).trainable_state_dict()
-    export_drafter(ArtifactStore(tmp_path / "published"), published, cfg, aux_layer_ids=AUX, dtype="float32")
+    # Issue 53: the reference, a drafter in the EAGLE-3 layout, is also the store's starting release (imported).
     write_record(store, Record(Provenance("target_model", {}, {}, 1), version="target-v1"))  # what passes are kept by
     settings = tiny_settings(
         target_model=str(target_dir),
@@ -87,7 +86,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
             min_prompts_per_bin=max(2, counts[long] + 1),
         ),
         traffic=TrafficSettings(log=str(tmp_path / "gateway.jsonl")),  # its held-out split, written above, is served
-        start_from={"drafter": str(tmp_path / "published" / EXPORT_DIR)},
+        start_from={"drafter": str(reference_dir)},
     )
     lines: list[str] = []
     assert install_start_from(store, settings, target).installed
@@ -108,7 +107,7 @@ def test_a_reference_drafter_is_served_beside_ours_and_a_zeroed_head_is_never_re
     for k in (3, 7):
         assert written[f"reference_mean_acceptance_length_k{k}"] == ref[f"mean_acceptance_length_k{k}"] >= 1.0
         assert ref[f"mean_acceptance_length_k{k}"] == pytest.approx(1 + sum(ref[f"acceptance_per_position_k{k}"]), abs=1e-3)
-    assert any(line.startswith("drafter_eval: pass 7/7 (reference k=7) done at") for line in lines), lines
+    assert any(line.startswith("drafter_eval: pass 5/5 (k=7 features zeroed) done at") for line in lines), lines
     # Per context bin, from each bin's own counters: ours at 1.0 in both; the reference's whole-set figure is a
     # mean of its bins' (weighted by drafts), so it lies between them.
     assert (written["prompts_by_context_bin"], written["context_bins_too_small"]) == (counts, [long])
@@ -149,9 +148,13 @@ def assert_served_first(store: ArtifactStore, baseline: Baseline, served: Served
         + ", ".join(f"k={k[1:]} {v:.3f}" for k, v in figures.acceptance.items())
     )
     assert served.beside[RELEASED] == figures and figures.sha256 == record.export_sha256
-    assert "drafter_eval: 2 of the 9 passes served before from the same target, prompts, drafter and engine, their " \
-        f"figures read from {store.url_of(PASSES_DIR)}: released k=3, released k=7" in lines, lines  # fmt: skip
-    assert any(line.startswith("drafter_eval: serving 7 of the 9 passes (plain, k=3, ") for line in lines), lines
+    # The reference is the import's files: a pass is the files vLLM loads, so its passes are the baseline's too.
+    assert "drafter_eval: 4 of the 9 passes served before from the same target, prompts, drafter and engine, their " \
+        f"figures read from {store.url_of(PASSES_DIR)}: released k=3, released k=7, reference k=3, reference k=7" \
+        in lines, lines  # fmt: skip
+    assert any(line.startswith("drafter_eval: serving 5 of the 9 passes (plain, k=3, k=3 features zeroed, k=7, k=7 "
+                               "features zeroed)") for line in lines), lines  # fmt: skip
+    assert served.beside[REFERENCE].acceptance == figures.acceptance
 
 
 def assert_prompt_sets(written: dict, counts: dict[str, int], lines: list[str], traffic_file: str) -> None:
