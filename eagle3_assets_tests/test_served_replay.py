@@ -39,6 +39,30 @@ def test_rounds_accept_the_leading_drafts_that_equal_the_answer_and_start_past_t
     assert Rounds(4, [3, 1]).rates == [0.75, 0.25]
 
 
+def test_drafts_past_the_answers_end_in_its_last_round_are_what_vllm_may_count_beside_the_replay():
+    """vLLM counts a round's accepted drafts before it cuts the output at the stop token: in the last round, drafts past
+    the answer's end may count as accepted (the target verified them against its continuation past the stop, which no
+    answer holds). Measured on a small demo whose drafter went on drafting the template past the end of turn: vLLM
+    counted 97 accepted drafts at k=7 that were never output, and the check failed a drafter vLLM served as trained."""
+    ids = [5, 6, 10, 11, 2]  # a 2-token prompt, then the greedy answer, ending in its stop token 2
+    drafted = torch.full((3, len(ids)), 99)
+    drafted[:, 1] = torch.tensor([11, 2, 7])  # the last round: both drafts up to the stop right, the third past it
+    assert replay_rounds(drafted, ids, start=2, served=3) == Rounds(1, [1, 1, 0], past_end=[0, 0, 1])
+    drafted[1, 1] = 98  # the stop token not drafted: the round ends at it, nothing lies past the end
+    assert replay_rounds(drafted, ids, start=2, served=3) == Rounds(1, [1, 0, 0])
+    assert Rounds(1, [1, 1, 0], [0, 0, 1]) + Rounds(1, [1, 0, 0]) == Rounds(2, [2, 1, 0], [0, 0, 1])
+    # The check: vLLM may count them, never fewer than the replay's own, nor more than both.
+    replayed = Rounds(100, [80, 40, 10], past_end=[0, 10, 20])
+    assert ReplayCheck(3, Rounds(100, [80, 48, 28]), replayed).passed
+    assert ReplayCheck(3, Rounds(100, [80, 48, 28]), replayed).describe().startswith(
+        "k=3: vLLM accepted per position [0.800, 0.480, 0.280] over 100 drafts, the trained drafter replayed "
+        "[0.800, 0.400, 0.100] over 100 (and up to [0.000, 0.100, 0.200] more past the answers' ends): within 0.040"
+    )
+    assert ReplayCheck(3, Rounds(100, [80, 48, 35]), replayed).parted_at == 2  # more than past the ends allows
+    assert ReplayCheck(3, Rounds(100, [80, 35, 10]), replayed).parted_at == 1  # fewer than the replay's own
+    assert ReplayCheck(3, Rounds(100, [80, 48, 28]), Rounds(100, [80, 40, 10])).parted_at == 1  # none past the ends
+
+
 def test_a_check_names_the_first_position_that_parts_and_the_suspects():
     served, replayed = Rounds(100, [80, 20, 5]), Rounds(100, [81, 60, 30])
     suspect = "the export says norm_output True, the drafter trained with False"

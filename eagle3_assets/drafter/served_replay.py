@@ -43,25 +43,38 @@ SERVED_AS = "served_as"
 
 @dataclass(frozen=True)
 class Rounds:
-    """Speculative rounds as vLLM counts them: drafts (rounds that drafted) and, per position, drafts accepted."""
+    """Speculative rounds as vLLM counts them: drafts (rounds that drafted) and, per position, drafts accepted.
+    `past_end`, replayed only: per position, the drafts of a request's last round that lie past its answer's end, every
+    draft before them accepted. vLLM counts a round's accepted drafts before it cuts the output at the stop token (or
+    at max_tokens), so it may count these too: the target verified them against its own continuation past the end,
+    which the answer does not hold. Empty: none."""
 
     drafts: int
     accepted: list[int]
+    past_end: list[int] = field(default_factory=list)
 
     @property
     def rates(self) -> list[float]:
         return [a / self.drafts if self.drafts else 0.0 for a in self.accepted]
 
+    @property
+    def past_end_rates(self) -> list[float]:
+        return [p / self.drafts if self.drafts else 0.0 for p in self.past_end or [0] * len(self.accepted)]
+
     def __add__(self, other: Rounds) -> Rounds:
-        return Rounds(self.drafts + other.drafts, [a + b for a, b in zip(self.accepted, other.accepted, strict=True)])
+        zeros = [0] * len(self.accepted)
+        past = [a + b for a, b in zip(self.past_end or zeros, other.past_end or zeros, strict=True)]
+        accepted = [a + b for a, b in zip(self.accepted, other.accepted, strict=True)]
+        return Rounds(self.drafts + other.drafts, accepted, past if any(past) else [])
 
 
 def replay_rounds(drafted: torch.Tensor, ids: Sequence[int], start: int, served: int) -> Rounds:
     """The rounds vLLM drafts serving `served` tokens after the prompt `ids[:start]`, where `ids` is the prompt and the
     greedy answer and `drafted[a, t]` [k, T] the target id the drafter proposes at position a of a round whose last
-    verified index is t (the token it proposes for index t + 2 + a)."""
+    verified index is t (the token it proposes for index t + 2 + a). A round that accepts every draft up to the
+    answer's end counts its later positions in `past_end`."""
     k = drafted.shape[0]
-    drafts, accepted = 0, [0] * k
+    drafts, accepted, past_end = 0, [0] * k, [0] * k
     newest = start  # index of the newest token: the prefill's output first
     while newest - start + 1 < served:  # the request is unfinished: another round
         t, a = newest - 1, 0
@@ -69,8 +82,11 @@ def replay_rounds(drafted: torch.Tensor, ids: Sequence[int], start: int, served:
         while a < k and t + 2 + a < len(ids) and int(drafted[a, t]) == ids[t + 2 + a]:
             accepted[a] += 1
             a += 1
+        if a < k and t + 2 + a >= len(ids):  # every draft up to the answer's end accepted: the rest lie past it
+            for p in range(a, k):
+                past_end[p] += 1
         newest += a + 1
-    return Rounds(drafts, accepted)
+    return Rounds(drafts, accepted, past_end if any(past_end) else [])
 
 
 @dataclass(frozen=True)
@@ -92,12 +108,12 @@ class ReplayCheck:
 
     @property
     def parted_at(self) -> int | None:
-        """The first draft position (0-based, vLLM's `acceptance_per_position` index) whose rates part."""
+        """The first draft position (0-based, vLLM's `acceptance_per_position` index) whose rates part: vLLM's rate
+        below the replay's, or above it and the drafts it may have counted past an answer's end (`Rounds.past_end`)."""
+        rates = zip(self.served.rates, self.replayed.rates, self.replayed.past_end_rates, strict=True)
         return next(
-            (i for i, (s, r) in enumerate(zip(self.served.rates, self.replayed.rates, strict=True))
-             if abs(s - r) > self.allowed),
-            None,
-        )  # fmt: skip
+            (i for i, (s, r, past) in enumerate(rates) if s < r - self.allowed or s > r + past + self.allowed), None
+        )
 
     @property
     def passed(self) -> bool:
@@ -106,9 +122,11 @@ class ReplayCheck:
     def describe(self) -> str:
         served = ", ".join(f"{r:.3f}" for r in self.served.rates)
         replayed = ", ".join(f"{r:.3f}" for r in self.replayed.rates)
+        past = ", ".join(f"{r:.3f}" for r in self.replayed.past_end_rates)
         head = (
             f"k={self.k}: vLLM accepted per position [{served}] over {self.served.drafts} drafts, the trained drafter "
             f"replayed [{replayed}] over {self.replayed.drafts}"
+            + (f" (and up to [{past}] more past the answers' ends)" if self.replayed.past_end else "")
         )
         if (at := self.parted_at) is None:
             return f"{head}: within {self.allowed:.3f} at every position"
@@ -124,6 +142,7 @@ class ReplayCheck:
             "served_drafts": self.served.drafts, "replayed_drafts": self.replayed.drafts,
             "served_per_position": [round(r, 4) for r in self.served.rates],
             "replayed_per_position": [round(r, 4) for r in self.replayed.rates],
+            "replayed_past_end_per_position": [round(r, 4) for r in self.replayed.past_end_rates],
             "suspects": self.suspects,
         }  # fmt: skip
 
