@@ -414,6 +414,35 @@ def test_drafter_trains_on_two_ranks_and_a_killed_rank_fails_the_run_which_resum
     assert [m["step"].value for m in evaluations] == [10] and evaluations[0]["heldout_accept_len_k3"].value >= 1.0
 
 
+def test_release_baseline_serves_nothing_where_the_release_was_made_here(pipeline, tmp_path):
+    """The asset as Dagster runs it (its serving with vLLM: test_drafter_eval_beside.py): with a release this store
+    promoted, `start_from` installs nothing and no vLLM engine starts; each reason is said."""
+    from eagle3_assets.drafter.release import RELEASE_DIR
+    from eagle3_assets.release_record import ReleaseRecord, read_release_record
+
+    from .helpers import gpu_instance
+
+    project, _, _ = pipeline
+    root = tmp_path / "store"
+    shutil.copytree(project.store.local_path(""), root, ignore=shutil.ignore_patterns("hidden_states", "drafter"))
+    (root / RELEASE_DIR).mkdir(parents=True)
+    ReleaseRecord(reason="first release: k=3 2.000, k=7 2.400").write(root / RELEASE_DIR)
+    started = Project(tiny_settings(start_from={"drafter": str(tmp_path / "published")}), ArtifactStore(root))
+    with gpu_instance() as instance:
+        result = run(build_definitions(started), instance, ["release_baseline"])
+        assert result.success
+        meta = latest_metadata(instance, "release_baseline")
+        logs = [e.message for e in instance.all_logs(result.run_id) if e.user_message]
+    assert (meta["served"], meta["outputs_match_greedy"]) == (False, True)
+    assert meta["reason"] == (
+        "the release is no import (first release: k=3 2.000, k=7 2.400): every drafter_eval serves it beside its own "
+        "export"
+    )
+    assert any(m.startswith(f"start_from: a drafter is released at file://{root / RELEASE_DIR} already (first release")
+               for m in logs), logs  # fmt: skip
+    assert read_release_record(ArtifactStore(root)).released_on.acceptance == {}  # untouched
+
+
 def test_start_from_makes_the_first_drafter_a_continuation_of_the_published_one(pipeline, tmp_path):
     """Issue 53: with `start_from` set and nothing released, `vocab_map` installs the published drafter as the
     release and adopts its own map (48 draft ids, not draft_vocab_size's 64; its invariant check holds it to that
