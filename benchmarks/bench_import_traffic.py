@@ -41,6 +41,7 @@ from benchmarks.drafter_runs import demo_store, log, serve, shard_keys
 from eagle3_assets.demo.prompts import demo_references
 from eagle3_assets.demo.world import demo_world
 from eagle3_assets.drafter.continuation import plan_continuation
+from eagle3_assets.drafter.evaluate import eval_max_tokens
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.family import Eagle3
 from eagle3_assets.drafter.imported_release import adopted_vocab_map, start_from
@@ -188,7 +189,7 @@ def main(argv: list[str]) -> int:
         for r in held
     ]  # fmt: skip
     s = project.settings
-    target, tokens = project.target(), s.evaluation.max_new_tokens or s.generation.max_new_tokens
+    target, tokens = project.target(), eval_max_tokens(s)
     for name, prompts in (("served_traffic", traffic), ("served_original", None)):
         if name not in results:
             keep(name, serve(target, project, drafters, tokens, prompts=prompts))

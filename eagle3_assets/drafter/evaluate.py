@@ -343,6 +343,11 @@ def served_copy(store: ArtifactStore, rel: str, dest: Path) -> Path:
     return dest
 
 
+def eval_max_tokens(settings: Settings) -> int:
+    """Tokens each held-out prompt is decoded for: a kept pass is found again only under the same count."""
+    return settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
+
+
 def eval_timeout_s(settings: EvaluationSettings, *, passes: int, prompts: int, max_tokens: int) -> float:
     """Engine loads plus decoding at the slowest rate accepted, for every pass: the timeout grows with the work."""
     return passes * (settings.engine_load_s + prompts * max_tokens / settings.min_tokens_per_s)
@@ -439,7 +444,7 @@ def evaluate_drafter(
     # A replacement a kill interrupted is finished by its owner, never read half done.
     settled(out, EXPORT_DIR, TRAINER_LEASE_DIR)
     settled(store, RELEASE_DIR, PROMOTION_LEASE_DIR)
-    max_tokens = max_tokens or settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
+    max_tokens = max_tokens or eval_max_tokens(settings)
     served = served_prompts(store, target, settings, max_tokens)
     report = served.report
     if small := report.too_small_bins:
@@ -449,7 +454,7 @@ def evaluate_drafter(
             + ", ".join(f"{b} ({report.bins[b]})" for b in small)
         )
     with tempfile.TemporaryDirectory(prefix="drafter-eval-") as tmp:
-        export_dir = serve_passes(store, out, target, settings, served, Path(tmp), max_tokens, log, family)
+        export_dir = serve_passes(store, out, target, settings, served, Path(tmp), log, family)
         rows = [[*p, *a] for p, a in zip(served.prompt_ids, served.plain_outputs, strict=True)]
         features, weights = AnswerFeatures(target, settings, rows), load_target_weights(target)  # read once for both
         report.replay = explain_served(
@@ -502,7 +507,7 @@ def drafter_run(directory: Path, method: str, k: int, zeroed: bool = False) -> d
 
 def serve_passes(
     store: ArtifactStore, out: ArtifactStore, target: TargetModel, settings: Settings, served: ServedPrompts, tmp: Path,
-    max_tokens: int, log: Callable[[str], None], family: FamilySpec,
+    log: Callable[[str], None], family: FamilySpec,
 ) -> Path:  # fmt: skip
     """Every pass in one interpreter: plain, ours at each k with features kept and zeroed, each drafter beside at each
     k; their figures go to `served.report`, the plain outputs to `served.plain_outputs`. Returns the export served."""
@@ -519,19 +524,15 @@ def serve_passes(
     of_sets = "".join(f", {e['prompts']} {name}" for name, e in report.prompt_sets.items())
     log(
         f"drafter_eval: {len(prompt_ids)} held-out prompts{f' ({of_sets[2:]})' if of_sets else ''} decoded greedily in "
-        f"vLLM ({max_tokens} tokens each), plain and with the {family.name} drafter at "
+        f"vLLM ({report.max_tokens} tokens each), plain and with the {family.name} drafter at "
         f"k={', '.join(map(str, SPECULATIVE_TOKENS))} (features as trained, then zeroed)"
         f"{''.join(f', {name} beside' for name, _, _, k in beside if k == SPECULATIVE_TOKENS[0])}: "
         f"{len(labels)} passes"
     )
-    runs = (
-        [PLAIN_RUN]
-        + [drafter_run(export_dir, family.vllm_method, k, zeroed) for k, zeroed in variants]
-        + [drafter_run(d, method, k) for _, d, method, k in beside]
-    )
-    passes = served_or_reused(store, target, settings, served, labels, runs, log,
-                              drafters={d: digest.files for d, digest in read.items()})  # fmt: skip
-    plain, *speculative = passes
+    runs = [PLAIN_RUN, *(drafter_run(export_dir, family.vllm_method, k, zeroed) for k, zeroed in variants),
+            *(drafter_run(d, method, k) for _, d, method, k in beside)]  # fmt: skip
+    plain, *speculative = served_or_reused(store, target, settings, served, labels, runs, log,
+                                           drafters={d: digest.files for d, digest in read.items()})  # fmt: skip
     for (k, zeroed), spec in zip(variants, speculative[: len(variants)], strict=True):
         report.add_run(k, zeroed, plain.result, spec.result, log, spec.plain_tokens_per_s)
         if not zeroed:
@@ -561,9 +562,7 @@ def served_or_reused(
 
     def serve(todo: list[int], on_result: Callable[[int, GenerationResult], None]) -> list[GenerationResult]:
         asked = [labels[i] for i in todo]
-        timeout_s = eval_timeout_s(
-            settings.evaluation, passes=len(todo), prompts=len(prompt_ids), max_tokens=max_tokens
-        )
+        timeout_s = eval_timeout_s(settings.evaluation, passes=len(todo), prompts=len(prompt_ids), max_tokens=max_tokens)
         log(f"drafter_eval: serving {len(todo)} of the {len(labels)} passes ({', '.join(asked)}); timeout {timeout_s:.0f}s")
         logger = _pass_logger(asked, log)
         return generate_runs_in_subprocess(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,7 @@ def install_release(store: ArtifactStore, imported: Imported | ImportedDFlash, *
     url = store.url_of(RELEASE_DIR)
     if (kept := kept_release(store, imported.source)) is not None:
         return Installed(False, kept, url)
-    reason = (
-        f"imported from {imported.source} ({imported.format} format, sha256 {imported.digest}): not yet served here"
-    )
+    reason = f"{imported_from(imported.provenance())}: not yet served here"
 
     def write_record(directory: Path) -> None:
         ReleaseRecord(
@@ -71,6 +69,11 @@ def install_release(store: ArtifactStore, imported: Imported | ImportedDFlash, *
 
     imported.publish(store, RELEASE_DIR, write_extra=write_record)
     return Installed(True, reason, url)
+
+
+def imported_from(imported: Mapping[str, Any]) -> str:
+    """Where an import came from, as its release's reason says: from its `imported` provenance."""
+    return f"imported from {imported.get('source')} ({imported.get('format')} format, sha256 {imported.get('sha256')})"
 
 
 def kept_release(store: ArtifactStore, source: str) -> str | None:

@@ -30,10 +30,12 @@ from eagle3_assets.drafter.eval_report import ABOUT, BASELINE_REPORT_FILE, Serve
 from eagle3_assets.drafter.evaluate import (
     PLAIN_RUN,
     drafter_run,
+    eval_max_tokens,
     served_copy,
     served_or_reused,
     served_prompts,
 )
+from eagle3_assets.drafter.imported_release import imported_from
 from eagle3_assets.drafter.release import PROMOTION_LEASE_DIR, RELEASE_DIR, RELEASED, other_target, target_version
 from eagle3_assets.drafter.served_passes import REPORT_KEYS, drafter_digests
 from eagle3_assets.families import family_spec
@@ -70,7 +72,7 @@ def serve_release_baseline(
         )
     if other := other_target(store, target_version(store)):
         return Baseline(f"{other}: the import is not served with this target")
-    max_tokens = settings.evaluation.max_new_tokens or settings.generation.max_new_tokens
+    max_tokens = eval_max_tokens(settings)
     served = served_prompts(store, target, settings, max_tokens)
     method = family_spec(record.family).vllm_method
     with tempfile.TemporaryDirectory(prefix="release-baseline-") as tmp:
@@ -97,11 +99,7 @@ def serve_release_baseline(
     baseline = Served.from_json(figures)
     on = ", ".join(f"k={k[1:]} {v:.3f}" for k, v in baseline.acceptance.items())
     greedy = "" if baseline.outputs_match_greedy else "; its output is not plain greedy decoding's"
-    imported = record.imported
-    reason = (
-        f"imported from {imported.get('source')} ({imported.get('format')} format, sha256 {imported.get('sha256')}); "
-        f"served alone on the held-out prompts before any export: {on}{greedy}"
-    )
+    reason = f"{imported_from(record.imported)}; served alone on the held-out prompts before any export: {on}{greedy}"
     store.write_json(
         RELEASE_RECORD,
         replace(

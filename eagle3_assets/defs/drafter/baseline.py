@@ -41,10 +41,11 @@ def release_baseline_asset(*after: AssetKey) -> AssetsDefinition:
         with failures():
             want = Staleness(project).expected("release_baseline")
             # Under the promotion lease: one writer of the release, its record included.
+            target = project.target()
             with Lease(store, PROMOTION_LEASE_DIR, context.run.run_id) as lease:
                 guarded = store.guarded(lease.check, lease.me.describe())
-                context.log.info(f"start_from: {install_start_from(guarded, project.settings, project.target()).reason}")
-                baseline = serve_release_baseline(guarded, project.target(), project.settings, log=context.log.info)
+                context.log.info(f"start_from: {install_start_from(guarded, project.settings, target).reason}")
+                baseline = serve_release_baseline(guarded, target, project.settings, log=context.log.info)
         context.log.info(f"release_baseline: {baseline.reason}")
         served = baseline.served
         figures = {} if served is None else {f"mean_acceptance_length_{k}": v for k, v in served.acceptance.items()}
