@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -109,17 +108,21 @@ TRAIN_RUN = textwrap.dedent(
 
 
 def train_in_subprocess(tmp_path: Path, data, store_dir: Path, name: str, kill_at: int | None = None):
-    """One `train_drafter` call in a fresh interpreter with 2 threads: (exit code, curve, result or None).
+    """One `train_drafter` call in a fresh interpreter with 1 thread: (exit code, curve, result or None).
 
-    Every run the test compares is made this way, so they all compute with the same
-    kernels and thread pools: floats from different process kinds differ in the last bits.
+    Every run the test compares is made this way, so they all compute with the same kernels:
+    floats from different process kinds differ in the last bits. One thread, because with two
+    about one process in fifteen sums some step-1 gradient in another order (measured: 38 of 40
+    fresh processes agree bit for bit, with the math attention backend too; 40 of 40 on one
+    thread), a choice the CPU math libraries make once per process, and Adam turns that last
+    bit into 1e-5 in a weight. On one thread a resume that restores everything is exact.
     """
     root, keys, vmap = data
     script = tmp_path / "train_run.py"
     script.write_text(TRAIN_RUN)
     curve, result = tmp_path / f"{name}.curve.jsonl", tmp_path / f"{name}.result.json"
     args = {
-        "threads": 2, "curve": str(curve), "result": str(result), "kill_at": kill_at,
+        "threads": 1, "curve": str(curve), "result": str(result), "kill_at": kill_at,
         "store": str(store_dir), "keys": keys, "d2t": vmap.d2t.tolist(), "t2d": vmap.t2d.tolist(),
         "target": str(root / "target"), "settings": SETTINGS.model_dump(),
     }  # fmt: skip
@@ -150,21 +153,14 @@ def test_killed_run_resumes_with_the_same_step_counter_and_loss_curve(tmp_path, 
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert resumed["resumed_from"] == 4 and resumed["step"] == total
     assert sorted(curve) == list(range(5, total + 1))  # the counter continues at 5
-    # The curve continues where the killed run left it, step for step the uninterrupted
-    # run's. Equal to 1e-6 relative: a lost step, a reset optimizer or scheduler, or a
-    # different data position changes these losses at the 1e-2 level.
-    for step, loss in [*killed_curve.items(), *curve.items()]:
-        assert math.isclose(loss, ref_curve[step], rel_tol=1e-6), (step, loss, ref_curve[step])
-    assert resumed["heldout"].keys() == reference["heldout"].keys()
-    for k, v in resumed["heldout"].items():
-        assert math.isclose(v, reference["heldout"][k], rel_tol=1e-6, abs_tol=1e-9), k
+    # The curve continues where the killed run left it, step for step the uninterrupted run's, bit
+    # for bit: a lost step, a reset optimizer, scheduler or RNG, or another data position would not.
+    assert {**killed_curve, **curve} == ref_curve
+    assert resumed["heldout"] == reference["heldout"]
     got, want = final_weights(tmp_path / "killed", total), final_weights(tmp_path / "ref", total)
     assert got.keys() == want.keys()
     for name, tensor in got.items():
-        if tensor.is_floating_point():
-            torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-7, msg=name)
-        else:
-            assert torch.equal(tensor, want[name]), name  # d2t, t2d: exact
+        assert torch.equal(tensor, want[name]), name
     assert list_checkpoints(store)[-1] == total
 
 
