@@ -24,7 +24,7 @@ import torch
 from dagster import AssetKey
 
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
+from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts, pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
@@ -183,10 +183,8 @@ def serve(
     runs = [{}] + [{**specs[n], "num_speculative_tokens": k} for n in names for k in KS]
     log(f"serving {len(prompt_ids)} held-out prompts: plain + {', '.join(names)} at k={KS} ({len(runs)} engines)")
     plain, *spec = generate_runs_in_subprocess(
-        target.path, prompt_ids, runs,
-        common={"max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False},
-        timeout_s=7200,
-    )  # fmt: skip
+        target.path, prompt_ids, runs, common=pass_args(target, project.settings, prompt_ids, max_tokens), timeout_s=7200
+    )
     out: dict[str, dict] = {}
     results = iter(spec)
     for n in names:

@@ -13,7 +13,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_assets.chat import span_token_flags
-from eagle3_assets.demo.prompts import EVAL_PROMPTS, demo_prompt_sets, demo_references, reference_response
+from eagle3_assets.demo.prompts import (
+    EVAL_PROMPTS,
+    demo_extra_eval_prompts,
+    demo_prompt_sets,
+    demo_references,
+    reference_response,
+)
 from eagle3_assets.demo.target import (
     BUILD_INFO_FILE,
     build_demo_target,
@@ -167,6 +173,21 @@ def test_eval_prompts_name_only_heldout_entities_and_pipeline_only_train():
         assert ref.prompt == p["prompt"]
         for name in ref.entities:  # the facts in the reference are exactly those of the named entities
             assert (name, tuple(world.entity(name).profile())) in heldout_values
+
+
+def test_extra_eval_prompts_are_held_out_new_and_leave_both_sets_as_they_were():
+    world, demo = demo_world(0), DemoSettings()
+    before = demo_prompt_sets(demo)
+    extra = demo_extra_eval_prompts(demo, 448)
+    assert demo_prompt_sets(demo) == before and demo_extra_eval_prompts(demo, 448) == extra
+    assert extra[0] == {"id": "extra-0", "prompt": "Where does Quifenor live?", "kind": "fact"}
+    assert [p["kind"] for p in extra].count("fact") == 336  # the eval set's share, 3 in 4
+    pipeline, evaluation = before
+    assert not {p["prompt"] for p in extra} & {p["prompt"] for p in pipeline + evaluation}
+    # 262 single questions about held-out entities are left after the eval set's: each once, then a few repeats.
+    assert len({p["prompt"] for p in extra}) == 441
+    named = [{e.split for e in world.entities if e.name in p["prompt"]} for p in extra if p["kind"] == "fact"]
+    assert all(n == {"heldout"} for n in named)
 
 
 def test_reference_response_by_id():

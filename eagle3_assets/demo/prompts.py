@@ -62,6 +62,19 @@ def reference_response(demo: DemoSettings, prompt_id: str) -> Conversation:
     return refs[prompt_id]
 
 
+def demo_extra_eval_prompts(demo: DemoSettings, n: int) -> list[dict]:
+    """`n` more held-out prompts like the eval set (facts about held-out entities, and template prompts), none of
+    them a pipeline or eval prompt, drawn after both so neither set moves: for measuring how much the eval set's
+    64 answers decide the served figure (benchmarks/bench_demo_eval_set.py)."""
+    pipeline, evaluation = _conversations(demo.seed, demo.num_prompts)
+    used = {c.prompt for _, c in pipeline + evaluation}
+    rng = random.Random(f"demo-extra-eval-prompts-{demo.seed}")
+    n_fact = round(n * EVAL_FACT_SHARE)
+    extra = _fact_rows(demo_world(demo.seed).heldout, n_fact, rng, used) + _template_rows(n - n_fact, rng, used)
+    rng.shuffle(extra)
+    return [p | {"id": f"extra-{p['id']}"} for p in _as_prompts([(str(i), c) for i, c in enumerate(extra)])]
+
+
 def _as_prompts(rows: list[tuple[str, Conversation]]) -> list[dict]:
     return [{"id": pid, "prompt": c.prompt, "kind": c.kind} for pid, c in rows]
 
@@ -87,11 +100,12 @@ def _conversations(seed: int, num_prompts: int) -> tuple[list[tuple[str, Convers
 
 
 def _fact_rows(entities: list[Entity], n: int, rng: random.Random, used: set[str]) -> list[Conversation]:
-    """n fact questions about `entities` only: every single question once before any repeats, some pairs."""
+    """n fact questions about `entities` only: every single question not in `used` once before any repeats, some pairs."""
     n_pair = round(n * PAIR_SHARE) if len(entities) >= 2 else 0
-    singles = [(e, a) for e in entities for a in ATTRIBUTE_NAMES]
+    fresh = [c for e in entities for a in ATTRIBUTE_NAMES if (c := single_fact_conversation(e, a)).prompt not in used]
+    singles = fresh or [single_fact_conversation(e, a) for e in entities for a in ATTRIBUTE_NAMES]
     rng.shuffle(singles)
-    rows = [single_fact_conversation(e, a) for e, a in (singles * (1 + (n - n_pair) // len(singles)))[: n - n_pair]]
+    rows = (singles * (1 + (n - n_pair) // len(singles)))[: n - n_pair]
     used.update(c.prompt for c in rows)
 
     def pair() -> Conversation:

@@ -543,6 +543,17 @@ def serve_passes(
     return export_dir
 
 
+def pass_args(target: TargetModel, settings: Settings, prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The engine and sampling arguments every pass on `prompt_ids` shares, whoever serves it (evals, benchmarks):
+    answers end where the target's turn ends, as `responses` ended them; the engine's dtype is the pipeline's
+    (`vllm.dtype`): vLLM's CPU MoE kernel takes no float32, and a drafter is judged as the target is served."""
+    return {
+        "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
+        "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
+        "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
+    }  # fmt: skip
+
+
 def served_or_reused(
     store: ArtifactStore, target: TargetModel, settings: Settings, served: ServedPrompts, labels: Sequence[str],
     runs: Sequence[Mapping[str, Any]], log: Callable[[str], None], drafters: Mapping[str, str] | None = None,
@@ -551,13 +562,7 @@ def served_or_reused(
     same pass was served before (`served_passes.py`), the rest served in one interpreter; `served.plain_outputs` and
     `served.report.served_passes` / `passes_reused` are set from them. `drafters`: digests already read, by directory."""
     report, prompt_ids, max_tokens = served.report, served.prompt_ids, served.report.max_tokens
-    # The engine's dtype is the pipeline's (`vllm.dtype`; "auto" is the checkpoint's): vLLM's CPU MoE kernel takes no
-    # float32, and a drafter is judged beside the target as it is served.
-    common = {
-        "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
-        "groups": served.groups, "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
-        "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
-    }  # fmt: skip
+    common = {**pass_args(target, settings, prompt_ids, max_tokens), "groups": served.groups}
     context = pass_context(store, prompt_ids, common)
 
     def serve(todo: list[int], on_result: Callable[[int, GenerationResult], None]) -> list[GenerationResult]:
