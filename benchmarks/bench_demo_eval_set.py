@@ -4,7 +4,7 @@ Demo stores built on targets that differ in the last float bits (`bench_demo_isa
 apart (k=3 / k=7) on the 64 eval prompts. This serves each store's exported EAGLE-3 drafter again, in one vLLM
 interpreter per store, on those 64 and on `--extra` more held-out prompts of the same kinds (facts about held-out
 entities, template prompts; `demo_extra_eval_prompts`, none of them a pipeline or eval prompt), and prints per store
-the mean acceptance length on each set and on both, then the spread across the stores (max / min - 1). With
+the mean acceptance length on each set (the extra one also by kind) and on both, then the spread across the stores (max / min - 1). With
 `--seeds`, a drafter is also trained on each store's data under each training seed (the demo's recipe, beside the store
 in `--work`) and served the same way: how far training alone moves the figure on one target.
 
@@ -28,28 +28,31 @@ from eagle3_assets.settings import CONFIG_ENV, load_settings
 from eagle3_assets.storage import ArtifactStore
 
 
-def served(project: Project, extra: int, export: Path) -> dict[str, dict[str, float]]:
-    """{"eval64": {"k3": ..., "k7": ...}, "extra": ..., "both": ...}: mean acceptance lengths of the drafter exported
-    at `export`, each set served alone."""
-    prompts = {"eval64": load_eval_prompts(project.store)}
-    prompts["extra"] = parse_prompts(
-        "\n".join(json.dumps(p) for p in demo_extra_eval_prompts(project.settings.demo, extra)), "extra eval prompts"
-    )
+def _merged(parts: list[dict], ks=KS) -> dict:
+    """Several sets' figures as one: acceptance lengths are tokens per round, so each set weighs by its rounds."""
+    rounds = {f"k{k}": sum(p["rounds"][f"k{k}"] for p in parts) for k in ks}
+    merged = {f"k{k}": sum(p[f"k{k}"] * p["rounds"][f"k{k}"] for p in parts) / rounds[f"k{k}"] for k in ks}
+    return merged | {"rounds": rounds}
+
+
+def served(project: Project, extra: int, export: Path) -> dict[str, dict]:
+    """{"eval64": {"k3": ..., "k7": ..., "rounds": ...}, "extra_fact", "extra_template", "extra", "both"}: mean
+    acceptance lengths of the drafter exported at `export`; each set served alone, "extra" and "both" merged."""
+    more = demo_extra_eval_prompts(project.settings.demo, extra)
+    prompts = {"eval64": load_eval_prompts(project.store)} | {
+        f"extra_{kind}": parse_prompts("\n".join(json.dumps(p) for p in more if p["kind"] == kind), f"extra {kind}")
+        for kind in ("fact", "template")
+    }
     target, tokens = project.target(), eval_max_tokens(project.settings)
-    drafter = {"eagle3": export}
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict] = {}
     for name, ps in prompts.items():
-        figures = serve(target, project, drafter, tokens, prompts=ps)["eagle3"]
+        figures = serve(target, project, {"eagle3": export}, tokens, prompts=ps)["eagle3"]
         if not all(figures[f"k{k}"]["outputs_match_greedy"] for k in KS):
             raise SystemExit(f"{project.store.url_of('')}: speculative output differs from greedy on {name}")
         out[name] = {f"k{k}": figures[f"k{k}"]["mean_acceptance_length"] for k in KS}
         out[name]["rounds"] = {f"k{k}": figures[f"k{k}"]["num_drafts"] for k in KS}
-    # Both sets as one: acceptance lengths are tokens per round, so weight each set by its rounds.
-    out["both"] = {
-        f"k{k}": sum(out[n][f"k{k}"] * out[n]["rounds"][f"k{k}"] for n in prompts)
-        / sum(out[n]["rounds"][f"k{k}"] for n in prompts)
-        for k in KS
-    }
+    out["extra"] = _merged([out["extra_fact"], out["extra_template"]])
+    out["both"] = _merged([out["eval64"], out["extra"]])
     return out
 
 
@@ -75,7 +78,7 @@ def main() -> None:
             trained = train(project, recipe, f"store{n}-seed{seed}", args.work, threads=2)
             figures = served(project, args.extra, trained.export_dir)
             print(json.dumps({"store": root, "seed": seed, "steps": trained.steps, **figures}), flush=True)
-    for name in ("eval64", "extra", "both"):
+    for name in ("eval64", "extra_fact", "extra_template", "extra", "both"):
         spread = {
             f"k{k}": round(max(r[name][f"k{k}"] for r in results.values()) / min(r[name][f"k{k}"] for r in results.values()) - 1, 4)
             for k in KS

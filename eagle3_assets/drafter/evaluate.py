@@ -203,8 +203,7 @@ class EvalReport:
         for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)):
             if a == b:
                 continue
-            at = next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            gap = plain.margins[i][at] if i < len(plain.margins) and at < len(plain.margins[i]) else float("inf")
+            at, gap = parting(plain, spec, i)
             parted = {"prompt": i, "setting": label, "position": at, "greedy": a[:16], "speculative": b[:16]}
             if gap < NEAR_TIE_LOGPROB:
                 self.near_ties.append(parted | {"top_two_gap": round(gap, 4)})
@@ -289,6 +288,14 @@ class EvalReport:
             meta.update({f"{name}_mean_acceptance_length_k{k}": figures[f"mean_acceptance_length_k{k}"] for k in SPECULATIVE_TOKENS})
         meta["beside"] = self.beside
         return meta
+
+
+def parting(plain: GenerationResult, spec: GenerationResult, i: int) -> tuple[int, float]:
+    """Where prompt `i`'s speculative output first parts from greedy's, and greedy's top-two logprob gap there (inf
+    unknown): below NEAR_TIE_LOGPROB the engine's float noise chose, not the drafter."""
+    a, b = plain.outputs[i], spec.outputs[i]
+    at = next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return at, plain.margins[i][at] if i < len(plain.margins) and at < len(plain.margins[i]) else float("inf")
 
 
 def load_eval_prompts(store: ArtifactStore) -> list[Prompt]:
