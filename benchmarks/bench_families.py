@@ -28,7 +28,8 @@ from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.checkpoint import latest_checkpoint, read_checkpoint_state
 from eagle3_assets.demo.prompts import demo_extra_eval_prompts
-from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB, PLAIN_RUN, load_eval_prompts, parting, pass_args
+from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB, PLAIN_RUN, load_eval_prompts, parting
+from eagle3_assets.drafter.served_passes import pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import Family, family_of
 from eagle3_assets.drafter.selection import best_index

@@ -24,7 +24,8 @@ import torch
 from dagster import AssetKey
 
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts, pass_args
+from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
+from eagle3_assets.drafter.served_passes import pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess

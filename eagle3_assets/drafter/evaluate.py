@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from eagle3_assets.chat import check_template_kwargs, generation_prompt_ids, mode_label
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.calibration import (
@@ -86,7 +84,8 @@ from eagle3_assets.drafter.served_passes import (
     REPORT_KEYS,
     ServedPass,
     drafter_digests,
-    prompts_digest,
+    pass_args,
+    pass_context,
     prune,
     serve_or_reuse,
 )
@@ -101,8 +100,7 @@ from eagle3_assets.prompts import EVAL_PROMPTS_FILE, Prompt, parse_prompts
 from eagle3_assets.release_record import read_release_record
 from eagle3_assets.settings import EvaluationSettings, Settings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel, load_tokenizer, stop_token_ids
-from eagle3_assets.vllm_server.command import compilation_config
+from eagle3_assets.target import TargetModel, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # annotations only: importing transformers costs ~2 s
@@ -491,19 +489,6 @@ def evaluate_drafter(
     return report
 
 
-def pass_context(store: ArtifactStore, prompt_ids: Sequence[Sequence[int]], common: Mapping[str, Any]) -> dict | None:
-    """What every pass of this eval shares (`served_passes.pass_key`): the engine and device, the target's version,
-    the prompts and the engine arguments. None (every pass served) when the target has no version yet."""
-    version = target_version(store)
-    if version == "none":
-        return None
-    return {
-        "engine": engine_version(), "device": "cuda" if torch.cuda.is_available() else "cpu", "target": version,
-        "prompts": prompts_digest(prompt_ids, common["groups"]),
-        "common": {k: v for k, v in common.items() if k != "groups"},
-    }  # fmt: skip
-
-
 PLAIN_RUN: dict[str, Any] = {"margins": True}  # the plain pass: greedy, with each token's top-two logprob gap
 
 
@@ -548,17 +533,6 @@ def serve_passes(
     for (name, d, _, k), spec in zip(beside, speculative[len(variants) :], strict=True):
         report.add_beside(name, where.get(name, str(d)), k, plain.result, spec.result, digests[name])
     return export_dir
-
-
-def pass_args(target: TargetModel, settings: Settings, prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """The engine and sampling arguments every pass on `prompt_ids` shares, whoever serves it (evals, benchmarks):
-    answers end where the target's turn ends, as `responses` ended them; the engine's dtype is the pipeline's
-    (`vllm.dtype`): vLLM's CPU MoE kernel takes no float32, and a drafter is judged as the target is served."""
-    return {
-        "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
-        "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
-        "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
-    }  # fmt: skip
 
 
 def served_or_reused(

@@ -29,14 +29,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle3_assets.drafter.errors import EvaluationError
 from eagle3_assets.drafter.eval_report import BASELINE_REPORT_FILE, EVAL_REPORT_FILE
 from eagle3_assets.drafter.export import TRAINED_ON_FILE
-from eagle3_assets.drafter.vllm_eval import GenerationResult
+from eagle3_assets.drafter.release import target_version
+from eagle3_assets.drafter.vllm_eval import GenerationResult, engine_version
 from eagle3_assets.errors import Eagle3Error
 from eagle3_assets.families import FAMILIES
 from eagle3_assets.release_record import RELEASE_RECORD_FILE
+from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
+from eagle3_assets.target import TargetModel, stop_token_ids
+from eagle3_assets.vllm_server.command import compilation_config
 
 PASSES_DIR = "served_passes"
 REPORT_KEYS = "served_passes"  # report.json: pass label -> the key of the entry its figures are (what `prune` keeps)
@@ -186,3 +192,27 @@ def prune(store: ArtifactStore, log: Callable[[str], None]) -> int:
             break
         removed += 1
     return removed
+
+
+def pass_context(store: ArtifactStore, prompt_ids: Sequence[Sequence[int]], common: Mapping[str, Any]) -> dict | None:
+    """What every pass of an eval shares (`pass_key`): the engine and device, the target's version,
+    the prompts and the engine arguments. None (every pass served) when the target has no version yet."""
+    version = target_version(store)
+    if version == "none":
+        return None
+    return {
+        "engine": engine_version(), "device": "cuda" if torch.cuda.is_available() else "cpu", "target": version,
+        "prompts": prompts_digest(prompt_ids, common["groups"]),
+        "common": {k: v for k, v in common.items() if k != "groups"},
+    }  # fmt: skip
+
+
+def pass_args(target: TargetModel, settings: Settings, prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The engine and sampling arguments every pass on `prompt_ids` shares, whoever serves it (evals, benchmarks):
+    answers end where the target's turn ends, as `responses` ended them; the engine's dtype is the pipeline's
+    (`vllm.dtype`): vLLM's CPU MoE kernel takes no float32, and a drafter is judged as the target is served."""
+    return {
+        "max_tokens": max_tokens, "max_model_len": max(map(len, prompt_ids)) + max_tokens + 8, "ignore_eos": False,
+        "dtype": settings.vllm.dtype, "language_model_only": target.wrapped,
+        "compilation_config": compilation_config(target), "stop_token_ids": sorted(stop_token_ids(target)),
+    }  # fmt: skip
