@@ -9,7 +9,8 @@ in the same run (BENCHMARKS.md, `families`).
 
     .venv/bin/python benchmarks/bench_families.py --store .eagle3 eagle3 dflash dflash-6-epochs
 
-`--shards N` trains on the first N shards only (each variant under `bench/<name>-<N>shards/`): the families against
+`--config FILE` names the store's settings when they are not the demo's (a run on the demo target with prompts of
+its own). `--shards N` trains on the first N shards only (each variant under `bench/<name>-<N>shards/`): the families against
 the data size (BENCHMARKS.md, `families by data size`). `--extra N` serves N more held-out prompts beside the 64
 (`demo_extra_eval_prompts`): on 64 prompts a training seed alone moves the served figure by 4% (`demo eval set`).
 """
@@ -38,7 +39,7 @@ from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
 from eagle3_assets.families import family_spec
 from eagle3_assets.prompts import parse_prompts
-from eagle3_assets.settings import Settings, demo_settings
+from eagle3_assets.settings import CONFIG_ENV, Settings, demo_settings, load_settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.tokenized import TokenizedSet
@@ -107,10 +108,11 @@ def main(argv: list[str]) -> int:
         "--reuse", action="store_true", help="serve a variant's export a previous run left (bench/<name>/drafter/export) "
         "instead of training it again; its steps and estimate are read from its last checkpoint",
     )  # fmt: skip
+    ap.add_argument("--config", help="the store's settings file (default: the demo's settings)")
     ap.add_argument("--shards", type=int, help="train on the store's first N shards only (default: all)")
     ap.add_argument("--extra", type=int, default=0, help="serve N more held-out prompts beside the 64")
     args = ap.parse_args(argv)
-    settings = demo_settings()
+    settings = load_settings({CONFIG_ENV: args.config}) if args.config else demo_settings()
     store = ArtifactStore(args.store)
     project = Project(settings, store)
     target = project.target()
