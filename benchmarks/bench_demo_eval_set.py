@@ -18,12 +18,10 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.drafter_runs import KS, log, serve, train
-from eagle3_assets.demo.prompts import demo_extra_eval_prompts
+from drafter_runs import KS, extra_eval_prompts, log, serve, train
 from eagle3_assets.drafter.evaluate import eval_max_tokens, load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.project import Project
-from eagle3_assets.prompts import parse_prompts
 from eagle3_assets.settings import CONFIG_ENV, load_settings
 from eagle3_assets.storage import ArtifactStore
 
@@ -38,10 +36,8 @@ def _merged(parts: list[dict], ks=KS) -> dict:
 def served(project: Project, extra: int, export: Path) -> dict[str, dict]:
     """{"eval64": {"k3": ..., "k7": ..., "rounds": ...}, "extra_fact", "extra_template", "extra", "both"}: mean
     acceptance lengths of the drafter exported at `export`; each set served alone, "extra" and "both" merged."""
-    more = demo_extra_eval_prompts(project.settings.demo, extra)
     prompts = {"eval64": load_eval_prompts(project.store)} | {
-        f"extra_{kind}": parse_prompts("\n".join(json.dumps(p) for p in more if p["kind"] == kind), f"extra {kind}")
-        for kind in ("fact", "template")
+        f"extra_{kind}": extra_eval_prompts(project.settings.demo, extra, kind) for kind in ("fact", "template")
     }
     target, tokens = project.target(), eval_max_tokens(project.settings)
     out: dict[str, dict] = {}

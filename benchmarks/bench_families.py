@@ -26,9 +26,9 @@ from dataclasses import fields, replace
 from typing import Any
 
 from eagle3_assets.chat import generation_prompt_ids
+from drafter_runs import extra_eval_prompts
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.checkpoint import latest_checkpoint, read_checkpoint_state
-from eagle3_assets.demo.prompts import demo_extra_eval_prompts
 from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB, PLAIN_RUN, load_eval_prompts, parting
 from eagle3_assets.drafter.served_passes import pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR
@@ -38,7 +38,6 @@ from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
 from eagle3_assets.families import family_spec
-from eagle3_assets.prompts import parse_prompts
 from eagle3_assets.settings import CONFIG_ENV, Settings, demo_settings, load_settings
 from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
@@ -141,8 +140,7 @@ def main(argv: list[str]) -> int:
         print(f"{name}: trained {result.step} steps in {cpu:.0f} CPU-s ({wall:.0f} s)", file=sys.stderr, flush=True)
     prompts = load_eval_prompts(store)
     if args.extra:
-        extra = demo_extra_eval_prompts(settings.demo, args.extra)
-        prompts += parse_prompts("\n".join(json.dumps(p) for p in extra), "extra held-out prompts")
+        prompts += extra_eval_prompts(settings.demo, args.extra)
     tokenizer = load_tokenizer(target)
     prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
     max_tokens = settings.generation.max_new_tokens
@@ -155,8 +153,8 @@ def main(argv: list[str]) -> int:
     for (name, k), result in zip(served, spec, strict=True):
         # Outputs that part from greedy's where greedy's choice was a near tie are the engine's float noise, as
         # drafter_eval judges them; any other parting is a defect of the drafter's serving.
-        parted = [parting(plain, result, i) for i, out in enumerate(result.outputs) if out != plain.outputs[i]]
-        if defects := [(i, at) for i, (at, gap) in enumerate(parted) if gap >= NEAR_TIE_LOGPROB]:
+        parted = {i: parting(plain, result, i) for i, out in enumerate(result.outputs) if out != plain.outputs[i]}
+        if defects := [(i, at) for i, (at, gap) in parted.items() if gap >= NEAR_TIE_LOGPROB]:
             raise SystemExit(f"{name} k={k}: speculative output parts from greedy away from a near tie: {defects[:5]}")
         rows[name][f"parted_at_near_ties_k{k}"] = len(parted)
         rows[name][f"served_k{k}"] = round(result.mean_acceptance_length, 3)

@@ -13,6 +13,7 @@ Prompts render as `responses` and `drafter_eval` render them (chat-template kwar
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -24,6 +25,7 @@ import torch
 from dagster import AssetKey
 
 from eagle3_assets.definitions import build_definitions
+from eagle3_assets.demo.prompts import demo_extra_eval_prompts
 from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
 from eagle3_assets.drafter.served_passes import pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
@@ -31,11 +33,12 @@ from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
 from eagle3_assets.start import GraphStart
-from eagle3_assets.prompts import Prompt
+from eagle3_assets.prompts import Prompt, parse_prompts
 from eagle3_assets.sample_file import MANIFEST_NAME, shard_dir
 from eagle3_assets.settings import (
     CONFIG_ENV,
     ROOT_ENV,
+    DemoSettings,
     Settings,
     TrainingSettings,
     artifact_root,
@@ -161,6 +164,12 @@ def train(project: Project, settings: TrainingSettings, label: str, workdir: Pat
     return Trained(
         label, r.step, steady(cpu), statistics.fmean(tokens), r.heldout, store.local_path(EXPORT_DIR), cpu, acc_0
     )
+
+
+def extra_eval_prompts(demo: DemoSettings, n: int, kind: str | None = None) -> list[Prompt]:
+    """`demo_extra_eval_prompts` as the eval reads prompts (of one kind, "fact" or "template", when given)."""
+    rows = [p for p in demo_extra_eval_prompts(demo, n) if kind in (None, p["kind"])]
+    return parse_prompts("".join(json.dumps(p) + "\n" for p in rows), f"{n} extra held-out demo prompts")
 
 
 def serve(

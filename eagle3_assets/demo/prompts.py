@@ -72,7 +72,7 @@ def demo_extra_eval_prompts(demo: DemoSettings, n: int) -> list[dict]:
     n_fact = round(n * EVAL_FACT_SHARE)
     extra = _fact_rows(demo_world(demo.seed).heldout, n_fact, rng, used) + _template_rows(n - n_fact, rng, used)
     rng.shuffle(extra)
-    return [p | {"id": f"extra-{p['id']}"} for p in _as_prompts([(str(i), c) for i, c in enumerate(extra)])]
+    return _as_prompts([(f"extra-{i}", c) for i, c in enumerate(extra)])
 
 
 def _as_prompts(rows: list[tuple[str, Conversation]]) -> list[dict]:
@@ -102,8 +102,8 @@ def _conversations(seed: int, num_prompts: int) -> tuple[list[tuple[str, Convers
 def _fact_rows(entities: list[Entity], n: int, rng: random.Random, used: set[str]) -> list[Conversation]:
     """n fact questions about `entities` only: every single question not in `used` once before any repeats, some pairs."""
     n_pair = round(n * PAIR_SHARE) if len(entities) >= 2 else 0
-    fresh = [c for e in entities for a in ATTRIBUTE_NAMES if (c := single_fact_conversation(e, a)).prompt not in used]
-    singles = fresh or [single_fact_conversation(e, a) for e in entities for a in ATTRIBUTE_NAMES]
+    every = [single_fact_conversation(e, a) for e in entities for a in ATTRIBUTE_NAMES]
+    singles = [c for c in every if c.prompt not in used] or every
     rng.shuffle(singles)
     rows = (singles * (1 + (n - n_pair) // len(singles)))[: n - n_pair]
     used.update(c.prompt for c in rows)
