@@ -13,6 +13,8 @@ in the same run (BENCHMARKS.md, `families`).
 its own). `--shards N` trains on the first N shards only (each variant under `bench/<name>-<N>shards/`): the families against
 the data size (BENCHMARKS.md, `families by data size`). `--extra N` serves N more held-out prompts beside the 64
 (`demo_extra_eval_prompts`): on 64 prompts a training seed alone moves the served figure by 4% (`demo eval set`).
+`speculators-dflash` is speculators' (PyPI 0.9.0) DFlash trainer on what our `dflash` trained on (`PEERS`), named after
+it: ours against the peer's at equal data and steps (BENCHMARKS.md, `dflash peer`).
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ import resource
 import sys
 import time
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle3_assets.chat import generation_prompt_ids
-from drafter_runs import extra_eval_prompts
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.checkpoint import latest_checkpoint, read_checkpoint_state
 from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB, PLAIN_RUN, load_eval_prompts, parting
 from eagle3_assets.drafter.served_passes import pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR
-from eagle3_assets.drafter.family import Family, family_of
+from eagle3_assets.drafter.family import DFlash, Family, family_of
 from eagle3_assets.drafter.selection import best_index
 from eagle3_assets.drafter.train import train_drafter
 from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
@@ -43,6 +47,12 @@ from eagle3_assets.storage import ArtifactStore
 from eagle3_assets.target import TargetModel, load_tokenizer
 from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VocabMap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
+
+from convert_shards import convert  # noqa: E402
+from drafter_runs import extra_eval_prompts  # noqa: E402
+from speculators_runs import ensure_peer_venv, planned_tokens_per_step, train_speculators  # noqa: E402
 
 # name -> (family, overrides by settings section), each over the demo's settings; a family trains by its own recipe
 # (`Settings.training_of`): DFlash's lr, epochs and weight decay are its `dflash` section's.
@@ -64,6 +74,12 @@ VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
     "dflash-6-epochs-16-anchors": ("dflash", {"dflash": {"epochs": 6.0, "anchors_per_row": 16}}),
     "dflash-6-epochs-slot-mean": ("dflash", {"dflash": {"epochs": 6.0, "loss_normalization": "slot"}}),
 }
+
+# Trained by speculators 0.9.0 (PyPI, in its own venv: benchmarks/peer/) on the same shards, training rows and vocab map
+# as our variant named here, at its steps and its tokens per step, with its shape (layers, block, anchors, mask token,
+# aux layers) and schedule (lr, warmup, weight decay, seed); the rest is speculators' own DFlash recipe (D-PACE slot
+# weights, cross-entropy, grad clip 1.0). Listed after that variant, which trains (or is reused) first.
+PEERS: dict[str, str] = {"speculators-dflash": "dflash"}
 
 
 def at_root(family: Family, root: str) -> Family:
@@ -94,6 +110,37 @@ def trained_before(family: Family, out: ArtifactStore) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def train_peer(
+    family: DFlash, ours: dict[str, Any], store: ArtifactStore, keys: list[str], target_dir: Path, reuse: bool
+) -> dict:
+    """speculators' DFlash trained under `family.root` on what `family`, our variant whose row is `ours`, trained on:
+    its row (no held-out estimate: speculators' validation is not ours)."""
+    work = Path(store.local_path(family.root))
+    run = work / "run"
+    if not (reuse and (run / "result.json").exists()):
+        s, d = family.training, family.dflash
+        data = convert(store.local_path(""), work / "data", heldout_rows=s.heldout_rows, seed=s.seed, keys=keys)
+        if (read := family.aux_layer_ids(data["aux_layer_ids"])) != data["aux_layer_ids"]:
+            raise SystemExit(f"{family.root}: ours reads aux layers {read} of {data['aux_layer_ids']}; the peer reads all")
+        steps = ours["steps"]
+        flags = [
+            "--speculator-type", "dflash", "--steps", str(steps), "--lr", repr(s.lr),
+            "--warmup-steps", str(s.warmup_steps), "--weight-decay", repr(s.weight_decay), "--seed", str(s.seed),
+            "--total-seq-len", str(round(planned_tokens_per_step(store, keys, s.model_copy(update={"steps": steps})))),
+            # speculators' block holds the anchor too: ours drafts block_size tokens after it
+            "--spec-arg", f"block-size={d.block_size + 1}", "--spec-arg", f"num-layers={d.num_layers}",
+            "--spec-arg", f"max-anchors={d.anchors_per_row}", "--spec-arg", f"mask-token-id={family.mask_token_id}",
+            "--spec-arg", f"dflash-decay-gamma={d.loss_decay}",
+        ]  # fmt: skip
+        train_speculators(ensure_peer_venv(), work / "data", target_dir, run, flags, threads=torch.get_num_threads())
+    result = json.loads((run / "result.json").read_text())
+    return {
+        "family": family.name, "steps": result["steps"], "train_cpu_s": round(result["cpu_s_train_steps"]),
+        "train_wall_s": round(result["wall_s_total_run"]), "estimate_k3": None, "estimate_k7": None,
+        "export": result["export_dir"],
+    }  # fmt: skip
+
+
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -101,7 +148,7 @@ def cpu_seconds() -> float:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="*", default=["eagle3", "dflash"], choices=sorted(VARIANTS))
+    ap.add_argument("variants", nargs="*", default=["eagle3", "dflash"], choices=sorted(VARIANTS | PEERS))
     ap.add_argument("--store", default=".eagle3", help="the demo's store ($EAGLE3_ROOT)")
     ap.add_argument(
         "--reuse", action="store_true", help="serve a variant's export a previous run left (bench/<name>/drafter/export) "
@@ -119,7 +166,14 @@ def main(argv: list[str]) -> int:
     vmap = VocabMap.load(store)
     rows: dict[str, dict[str, Any]] = {}
     for name in args.variants:
-        family = family_for(name, settings, target, f"bench/{name}" + (f"-{args.shards}shards" if args.shards else ""))
+        root = f"bench/{name}" + (f"-{args.shards}shards" if args.shards else "")
+        if name in PEERS:
+            if PEERS[name] not in rows:
+                raise SystemExit(f"{name} trains as {PEERS[name]} did: name {PEERS[name]} before it")
+            ours = family_for(PEERS[name], settings, target, root)
+            rows[name] = train_peer(ours, rows[PEERS[name]], store, keys, project.target_dir(), args.reuse)
+            continue
+        family = family_for(name, settings, target, root)
         out = store.child(family.root)
         if args.reuse and out.exists(EXPORT_DIR):
             rows[name] = trained_before(family, out)

@@ -72,75 +72,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 PEER_DIR = Path(__file__).resolve().parent / "peer"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(PEER_DIR))
 
 from convert_shards import convert  # noqa: E402
-from speculators_cpu import STEP_LINE  # noqa: E402
-from drafter_runs import KS, curve, log, open_project, serve, shard_keys, steady, train  # noqa: E402
+from speculators_runs import cpu_per_step_so_far, ensure_peer_venv, planned_tokens_per_step, train_speculators  # noqa: E402
+from drafter_runs import KS, curve, log, open_project, serve, shard_keys, train  # noqa: E402
 
-from eagle3_assets.drafter.data import index_samples, plan_epoch, split_heldout  # noqa: E402
 from eagle3_assets.prompts import parse_prompts  # noqa: E402
 from eagle3_assets.settings import CONFIG_ENV, ROOT_ENV, TrainingSettings  # noqa: E402
-from eagle3_assets.storage import ArtifactStore  # noqa: E402
-
-PEER_VENV = ROOT / ".peer" / "speculators"
-SETUP_SCRIPT = PEER_DIR / "setup_speculators_venv.sh"
-WRAPPER = PEER_DIR / "speculators_cpu.py"
 
 
 # -- speculators -----------------------------------------------------------------------
 
 
-def ensure_peer_venv() -> Path:
-    py = PEER_VENV / "bin" / "python"
-    subprocess.run(["bash", str(SETUP_SCRIPT)], check=True)
-    return py
-
-
-def train_speculators(
-    py: Path, data_dir: Path, target_dir: Path, out: Path, args, total_seq_len: int, steps: int
-) -> dict:
-    cmd = [
-        str(py), str(WRAPPER), "--data", str(data_dir), "--target", str(target_dir), "--out", str(out),
+def spec_flags(args, total_seq_len: int, steps: int) -> list[str]:
+    """The wrapper's flags for speculators' EAGLE-3 run: our schedule and recipe (`args`, set from ours)."""
+    return [
         "--steps", str(steps), "--lr", repr(args.lr), "--warmup-steps", str(args.warmup_steps),
         "--ttt-steps", str(args.ttt_steps), "--step-weight", repr(args.step_weight),
         "--total-seq-len", str(total_seq_len), "--optimizer", args.spec_optimizer,
         "--weight-decay", repr(args.weight_decay), "--attn-impl", args.spec_attn_impl,
-        "--dtype", args.spec_dtype, "--seed", str(args.seed), "--threads", str(args.threads),
+        "--dtype", args.spec_dtype, "--seed", str(args.seed),
     ]  # fmt: skip
-    log_path = out.parent / f"{out.name}.log"
-    log(f"speculators: training {steps} steps in the peer venv (log {log_path})")
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    env.pop("PYTHONPATH", None)  # nothing of ours in the peer's interpreter
-    with open(log_path, "w") as f:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, cwd=tempfile.gettempdir())
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"speculators wrapper failed (exit {proc.returncode}):\n{tail}")
-    r = json.loads(lines[-1])
-    r["cpu_s_per_step_mean"] = steady(r["cpu_s_per_step"])  # same statistic as ours: first step excluded
-    r["log"] = str(log_path)
-    return r
-
-
-def cpu_per_step_so_far(log_path: Path) -> float:
-    """Speculators' mean CPU seconds per step so far (first step excluded), from a running wrapper's log."""
-    steps = [float(line.split()[-1]) for line in log_path.read_text().splitlines() if line.startswith(STEP_LINE)]
-    if len(steps) < 2:
-        raise RuntimeError(f"{log_path}: fewer than 2 speculators steps logged; cannot plan an equal-CPU run yet")
-    return steady(steps)
 
 
 def spec_report(spec: dict) -> dict:
@@ -154,21 +115,6 @@ def spec_report(spec: dict) -> dict:
             [(int(m["step"]) + 1, float(m["full_acc_0"])) for m in spec.get("train_metrics", []) if "full_acc_0" in m]
         ),
     }
-
-
-def planned_tokens_per_step(store: ArtifactStore, settings: TrainingSettings) -> float:
-    """The real (unpadded) tokens per optimizer step our run of `settings.steps` steps will average,
-    read off its batch plan (`plan_epoch` over the training rows `split_heldout` leaves)."""
-    samples, _ = index_samples(store, shard_keys(store))
-    train_rows, _ = split_heldout(samples, settings.heldout_rows, settings.seed) if settings.heldout_rows else (samples, [])
-    lengths = [s.length for s in train_rows]
-    per_step: list[int] = []
-    epoch = 0
-    while len(per_step) < settings.steps:
-        plan = plan_epoch(lengths, epoch, settings.seed, settings.batch_tokens, settings.batch_order)
-        per_step += [sum(lengths[i] for i in batch) for batch in plan]
-        epoch += 1
-    return statistics.fmean(per_step[: settings.steps])
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -298,11 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         # Our batch plan says, before training, the real tokens per step ours will average: speculators'
         # budget matches it whether or not ours trains first.
         match = args.spec_total_seq_len == "match"
-        seq_len = round(planned_tokens_per_step(store, base)) if match else int(args.spec_total_seq_len)
+        seq_len = round(planned_tokens_per_step(store, shard_keys(store), base)) if match else int(args.spec_total_seq_len)
 
         def run_speculators(name: str, steps: int) -> dict:
             t = time.perf_counter()
-            spec = train_speculators(py, data_dir, project.target_dir(), out / name, args, seq_len, steps)
+            flags = spec_flags(args, seq_len, steps)
+            spec = train_speculators(py, data_dir, project.target_dir(), out / name, flags, threads=args.threads)
             timings[f"{name}_s"] = time.perf_counter() - t
             return spec
 

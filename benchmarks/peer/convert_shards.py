@@ -55,11 +55,13 @@ class ConvertError(RuntimeError):
 
 
 def convert(
-    store_dir: str | Path, out_dir: str | Path, *, heldout_rows: int, seed: int, force: bool = False
+    store_dir: str | Path, out_dir: str | Path, *, heldout_rows: int, seed: int, keys: list[str] | None = None,
+    force: bool = False,
 ) -> dict:
+    """The store's complete shards (or those of `keys`, in that order, as our run names them) in `out_dir`."""
     store = ArtifactStore(str(Path(store_dir).resolve()))
     out = Path(out_dir)
-    keys = shard_keys(store)
+    keys = shard_keys(store) if keys is None else list(keys)
     if not keys:
         raise ConvertError(f"{store.url_of('hidden_states')}: no complete shards")
     samples, fmt = index_samples(store, keys)

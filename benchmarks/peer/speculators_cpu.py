@@ -220,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", required=True, type=Path, help="convert_shards.py output")
     ap.add_argument("--target", required=True, type=Path, help="the target's local HF model directory")
     ap.add_argument("--out", required=True, type=Path, help="checkpoints, logs, export/ and result.json go here")
+    ap.add_argument("--speculator-type", default="eagle3", choices=["eagle3", "dflash"])
+    ap.add_argument(
+        "--spec-arg", action="append", default=[], metavar="FLAG=VALUE",
+        help="one more `speculators train` flag, e.g. --spec-arg num-layers=2 (DFlash's --block-size, --max-anchors, ...)",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=155)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=20)
@@ -276,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         "--weight-decay", repr(args.weight_decay),
         "--scheduler-type", args.scheduler,
         "--scheduler-warmup-steps", str(args.warmup_steps),
-        "--ttt-steps", str(args.ttt_steps),
-        "--ttt-step-loss-decay", repr(args.step_weight),
         "--hidden-states-dtype", args.dtype,
         "--draft-attn-impl", args.attn_impl,
         "--loss-implementation", "eager",  # the default "fused" loss needs Triton (a GPU)
@@ -286,6 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         "--log-freq", "1",
         "--no-resume-from-checkpoint",
     ]  # fmt: skip
+    spec_argv += ["--speculator-type", args.speculator_type]
+    if args.speculator_type == "eagle3":  # test-time training: EAGLE-3's recipe, no DFlash knob
+        spec_argv += ["--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", repr(args.step_weight)]
+    for given in args.spec_arg:
+        flag, sep, value = given.partition("=")
+        if not sep:
+            raise SystemExit(f"--spec-arg {given!r}: expected FLAG=VALUE")
+        spec_argv += [f"--{flag.removeprefix('--')}", value]
     if args.loss_fn:
         spec_argv += ["--loss-fn", args.loss_fn]
 
