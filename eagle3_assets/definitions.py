@@ -8,10 +8,12 @@ import warnings
 
 from dagster import (
     AssetSelection,
+    AssetsDefinition,
     AutomationConditionSensorDefinition,
     DagsterInstance,
     DefaultSensorStatus,
     Definitions,
+    SensorDefinition,
     multi_or_in_process_executor,
 )
 
@@ -86,37 +88,44 @@ def build_definitions(project: Project, door: StartDoor | None = None) -> Defini
         assets=assets,
         asset_checks=checks,
         jobs=jobs + approving,
-        sensors=[
-            AutomationConditionSensorDefinition(
-                "shard_backfill",
-                target=AssetSelection.assets(hidden_states),
-                default_status=DefaultSensorStatus.RUNNING,
-                minimum_interval_seconds=60,
-                description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule, "
-                "and shards made from other inputs at once" + (", within the rolling window." if rolling else "."),
-                # Provenance and the window are read from the store: conditions the daemon alone cannot evaluate.
-                use_user_code_server=True,
-            ),
-            AutomationConditionSensorDefinition(
-                "pipeline",
-                target=AssetSelection.assets(*roots, *followers),
-                default_status=DefaultSensorStatus.RUNNING,
-                minimum_interval_seconds=30,
-                description="Carries the graph forward once a person materialized `prompts` and `target_model`: each asset "
-                "after its inputs and their blocking checks, `drafter` after "
-                + ("the first checked shard" if rolling else "every shard passed its check")
-                + ", `drafter_release` after each drafter_eval. Each again when it is made from other settings or "
-                "inputs than the current ones.",
-                use_user_code_server=True,
-            ),
-            dead_runs_sensor,
-            shard_stall_sensor,
-            run_failure_alert_sensor,
-        ],
+        sensors=_sensors(hidden_states, roots, followers, rolling),
         executor=with_run_start_sweep(executor, settings),
         resources={"project": project},
     )
     return defs
+
+
+def _sensors(
+    hidden_states: AssetsDefinition, roots: list[AssetsDefinition], followers: list[AssetsDefinition], rolling: bool
+) -> list[SensorDefinition]:
+    """The daemon's sensors: the shard backfill, the pipeline that carries the graph forward, and the watchers."""
+    return [
+        AutomationConditionSensorDefinition(
+            "shard_backfill",
+            target=AssetSelection.assets(hidden_states),
+            default_status=DefaultSensorStatus.RUNNING,
+            minimum_interval_seconds=60,
+            description="Requests missing or failed hidden-state shards on the extraction.backfill_cron schedule, "
+            "and shards made from other inputs at once" + (", within the rolling window." if rolling else "."),
+            # Provenance and the window are read from the store: conditions the daemon alone cannot evaluate.
+            use_user_code_server=True,
+        ),
+        AutomationConditionSensorDefinition(
+            "pipeline",
+            target=AssetSelection.assets(*roots, *followers),
+            default_status=DefaultSensorStatus.RUNNING,
+            minimum_interval_seconds=30,
+            description="Carries the graph forward once a person materialized `prompts` and `target_model`: each asset "
+            "after its inputs and their blocking checks, `drafter` after "
+            + ("the first checked shard" if rolling else "every shard passed its check")
+            + ", `drafter_release` after each drafter_eval. Each again when it is made from other settings or "
+            "inputs than the current ones.",
+            use_user_code_server=True,
+        ),
+        dead_runs_sensor,
+        shard_stall_sensor,
+        run_failure_alert_sensor,
+    ]
 
 
 def _warn_without_gpu_pool_limit() -> None:
