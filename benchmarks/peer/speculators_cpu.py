@@ -1,4 +1,4 @@
-"""Train speculators' EAGLE-3 drafter on CPU, for exactly N optimizer steps; runs INSIDE the peer venv.
+"""Train speculators' EAGLE-3 (or DFlash) drafter on CPU, for exactly N optimizer steps; runs INSIDE the peer venv.
 
     .peer/speculators/bin/python benchmarks/peer/speculators_cpu.py \\
         --data /tmp/peer-data --target /tmp/peer-demo-store/target_model/model --out /tmp/peer-spec \\
@@ -69,6 +69,14 @@ the verifier path) and `model.safetensors` in bf16 (`fc.weight`, `input_norm.wei
 `layers.0.*` with 2H-wide q/k/v and `hidden_norm`, `norm.weight`, `lm_head.weight`,
 `d2t`, `t2d`, and `embed_tokens.weight`); vLLM 0.32 reads that format directly. The
 final epoch's directory, minus the optimizer state, is copied to `<out>/export/`.
+
+DFlash (`--speculator-type dflash`). The same data, vocab map, trainer and CPU patches; the draft is
+`DFlashDraftModel` (Qwen3 layers, `--num-layers`, default 5), its block `--block-size` tokens
+including the anchor (the bonus token: block_size - 1 drafted), `--max-anchors` blocks per row,
+`--mask-token-id` the id its mask slots carry, per-slot loss weights D-PACE (`--dflash-decay-gamma`),
+loss `ce` (its DFlash default) on the target's logits; the TTT flags do not apply and are not
+passed. Those knobs go through `--spec-arg FLAG=VALUE`. Its `config.json`
+(`speculators_model_type: "dflash"`) is what vLLM 0.32 serves as `method: "dflash"`.
 """
 
 from __future__ import annotations
