@@ -80,8 +80,8 @@ class DemoSize:
 
     overrides: dict = field(default_factory=dict)  # over demo_settings(); empty = `make demo` itself
     shards: int = 10
-    k3: float = 2.3  # mean acceptance length served at k=3 ...
-    k7: float = 2.8  # ... and k=7
+    k3: float = 2.0  # mean acceptance length served at k=3 ...
+    k7: float = 2.4  # ... and k=7
     gain_k3: float = 1.18  # over the same drafter with its features zeroed, at k=3 ...
     gain_k7: float = 1.22  # ... and k=7
     heldout_acc_0: float = 0.75
