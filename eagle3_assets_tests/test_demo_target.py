@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eagle3_assets.chat import span_token_flags
 from eagle3_assets.demo.prompts import (
     EVAL_PROMPTS,
+    demo_extra_eval_conversations,
     demo_extra_eval_prompts,
     demo_prompt_sets,
     demo_references,
@@ -188,6 +189,11 @@ def test_extra_eval_prompts_are_held_out_new_and_leave_both_sets_as_they_were():
     assert len({p["prompt"] for p in extra}) == 441
     named = [{e.split for e in world.entities if e.name in p["prompt"]} for p in extra if p["kind"] == "fact"]
     assert all(n == {"heldout"} for n in named)
+    # The same prompts with the world's answers (benchmarks/bench_demo_answers.py scores targets against them).
+    answered = demo_extra_eval_conversations(demo, 448)
+    assert [{"id": i, "prompt": c.prompt, "kind": c.kind} for i, c in answered] == extra
+    quifenor = world.entity("Quifenor")
+    assert answered[0][1].assistant_text == single_fact_conversation(quifenor, "city").assistant_text
 
 
 def test_reference_response_by_id():

@@ -66,13 +66,18 @@ def demo_extra_eval_prompts(demo: DemoSettings, n: int) -> list[dict]:
     """`n` more held-out prompts like the eval set (facts about held-out entities, and template prompts), none of
     them a pipeline or eval prompt, drawn after both so neither set moves: for measuring how much the eval set's
     64 answers decide the served figure (benchmarks/bench_demo_eval_set.py)."""
+    return _as_prompts(demo_extra_eval_conversations(demo, n))
+
+
+def demo_extra_eval_conversations(demo: DemoSettings, n: int) -> list[tuple[str, Conversation]]:
+    """`demo_extra_eval_prompts`' prompts as (id, conversation): with the world's answer to each."""
     pipeline, evaluation = _conversations(demo.seed, demo.num_prompts)
     used = {c.prompt for _, c in pipeline + evaluation}
     rng = random.Random(f"demo-extra-eval-prompts-{demo.seed}")
     n_fact = round(n * EVAL_FACT_SHARE)
     extra = _fact_rows(demo_world(demo.seed).heldout, n_fact, rng, used) + _template_rows(n - n_fact, rng, used)
     rng.shuffle(extra)
-    return _as_prompts([(f"extra-{i}", c) for i, c in enumerate(extra)])
+    return [(f"extra-{i}", c) for i, c in enumerate(extra)]
 
 
 def _as_prompts(rows: list[tuple[str, Conversation]]) -> list[dict]:
