@@ -82,8 +82,8 @@ class DemoSize:
     shards: int = 10
     k3: float = 2.0  # mean acceptance length served at k=3 ...
     k7: float = 2.4  # ... and k=7
-    gain_k3: float = 1.18  # over the same drafter with its features zeroed, at k=3 ...
-    gain_k7: float = 1.22  # ... and k=7
+    gain_k3: float = 1.1  # over the same drafter with its features zeroed, at k=3 ...
+    gain_k7: float = 1.15  # ... and k=7
     heldout_acc_0: float = 0.75
     over_untrained: float = 0.4  # acc_0 on every eval answer token, above an untrained drafter's
     fact_tokens: int = 150  # eval answer tokens scored as facts ...
@@ -99,9 +99,10 @@ class DemoSize:
 
 
 SIZES = {
-    # `make demo` as it is. Measured (BENCHMARKS.md `accept`, `acc`): k=3 2.518-2.607, k=7 3.161-3.290; feature
-    # gain 1.22-1.23 / 1.28-1.29; held-out rows acc_0 0.926-0.930, eval answers 0.775-0.787 (untrained 0.001);
-    # fact / template eval tokens 226 / 148.
+    # `make demo` as it is, its target trained to the end (3,000 steps). Measured (BENCHMARKS.md `demo bars`,
+    # 2026-12-07): k=3 2.131, k=7 2.553 (2.131-2.168 / 2.553-2.602 across three CPU kernel settings, `demo target
+    # converged`); feature gain 1.143 / 1.189; held-out rows acc_0 0.993, eval answers 0.683 (untrained ~0.001);
+    # fact / template eval tokens 307 / 148, 3 answers off the reference.
     "full": DemoSize(),
     # 1,200 prompts (three shards), a target trained 600 steps, 8 epochs of the drafter (136 steps), 64 tokens
     # decoded per eval prompt. Measured, the same in `make test` (fresh clone, the fixture 211 s) and alone (target
@@ -173,12 +174,19 @@ def demo(tmp_path_factory):
     # Killed outright after 50 samples of the second shard (an OOM kill, a lost node) ...
     killed = subprocess.run(command, cwd=REPO, env=env | {CRASH_ENV: "extracted:rows_400-800:50"}, capture_output=True, text=True)
     assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
-    # ... the same command finishes the graph, redoing nothing that was finished.
+    # Shards run side by side, so how many finished before the kill depends on the machine's load (one on quiet
+    # cores, eight of ten on loaded ones) ...
+    with DagsterInstance.from_config(str(home)) as instance:
+        records = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("hidden_states")), limit=100)
+        done = {r.event_log_entry.dagster_event.partition for r in records.records}
+    # ... and the same command finishes the graph, redoing nothing that was finished: it extracts exactly the others.
     resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     runs = [line.removeprefix("[start] ") for line in resumed.stdout.splitlines() if line.endswith(": starting")]
-    shards = [line for line in runs if line.startswith("hidden_states[")]
-    assert len(shards) == SIZE.shards - 1 and "hidden_states[rows_0-400]: starting" not in shards, runs
+    shards = sorted(line for line in runs if line.startswith("hidden_states["))
+    size = settings.shard_size
+    every = {f"rows_{a}-{a + size}" for a in range(0, SIZE.shards * size, size)}
+    assert "rows_400-800" not in done and shards == sorted(f"hidden_states[{k}]: starting" for k in every - done), runs
     assert not {"prompts,target_model: starting", "responses: starting", "tokenized: starting"} & set(runs), runs
     log = resumed.stdout + resumed.stderr
     # drafter_eval reports each of its five vLLM passes as it finishes, not all at the end.
