@@ -184,8 +184,7 @@ def demo(tmp_path_factory):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     runs = [line.removeprefix("[start] ") for line in resumed.stdout.splitlines() if line.endswith(": starting")]
     shards = sorted(line for line in runs if line.startswith("hidden_states["))
-    size = settings.shard_size
-    every = {f"rows_{a}-{a + size}" for a in range(0, SIZE.shards * size, size)}
+    every = {shard.key for shard in plan_shards(SIZE.shards * settings.shard_size, settings.shard_size)}
     assert "rows_400-800" not in done and shards == sorted(f"hidden_states[{k}]: starting" for k in every - done), runs
     assert not {"prompts,target_model: starting", "responses: starting", "tokenized: starting"} & set(runs), runs
     log = resumed.stdout + resumed.stderr
