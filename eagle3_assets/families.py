@@ -68,6 +68,10 @@ class FamilySpec:
     recipe_fields: tuple[str, ...] = ()
     # drafter_eval scores acc_k by token class through this family's training objective (EAGLE-3's TTT unroll).
     token_classes: bool = False
+    # An import of this family keeps its own vocab map while it is the release (`vocab_map` adopts it): its head was
+    # trained for its draft ids alone. False: its head is the target's over the whole vocabulary, continued on the
+    # store's map from that head's rows of it.
+    adopts_import_map: bool = False
     target_architectures: frozenset[str] = EAGLE3_TARGETS  # HF architectures vLLM serves it beside
 
 
@@ -94,6 +98,7 @@ EAGLE3 = FamilySpec(
     settings_section="training",
     training_fields=("ttt_steps", "step_weight", "norm_before_fc", "norm_before_residual", "norm_output"),
     token_classes=True,
+    adopts_import_map=True,
 )
 # DFlash's schedule is its own (`dflash_settings.py`): EAGLE-3's (the demo's lr 3e-3, 16 epochs, weight decay 0.3)
 # was never tuned for it, and the references train it otherwise.

@@ -39,6 +39,7 @@ from eagle3_assets.drafter.importing import Imported, import_published
 from eagle3_assets.drafter.model import DrafterConfig
 from eagle3_assets.drafter.release import RELEASE_DIR, target_version
 from eagle3_assets.drafter.target_head import load_target_weights
+from eagle3_assets.families import family_spec
 from eagle3_assets.release_record import ReleaseRecord, read_release_record
 from eagle3_assets.settings import Settings
 from eagle3_assets.storage import ArtifactStore
@@ -112,11 +113,14 @@ def install_start_from(store: ArtifactStore, settings: Settings, target: TargetM
     return start_from(store, s.drafter, target, target_version=target_version(store), fmt=s.format)
 
 
-def imported_release(store: ArtifactStore) -> dict | None:
-    """The release's `imported` provenance (source, format, sha256), None when the release is no import (or none is)."""
+def adopted_release_map(store: ArtifactStore) -> tuple[VocabMap, str] | None:
+    """(the release's own map, where it was imported from) while the store's vocab map is to be that map: the release
+    is an import of a family that keeps its own (`FamilySpec.adopts_import_map`); None otherwise."""
     store.settle(RELEASE_DIR)
     record = read_release_record(store)
-    return (record.imported or None) if record is not None else None
+    if record is None or not record.imported or not family_spec(record.family).adopts_import_map:
+        return None
+    return release_vocab_map(store), record.imported["source"]
 
 
 _NUMPY = {"I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
@@ -147,15 +151,15 @@ def release_vocab_map(store: ArtifactStore) -> VocabMap:
 
 
 def adopted_vocab_map(store: ArtifactStore, freq: np.ndarray, draft_vocab_size: int) -> tuple[VocabMap, str] | None:
-    """(the imported release's own map, what was done and what it costs), None when the release is no import: its
-    `lm_head` rows are trained for its own draft ids, and a drafter is continued only on the map it was trained with.
-    What it costs is its coverage of the store's loss tokens (`freq`) against a fresh map's of `draft_vocab_size`.
-    A DFlash import is not adopted: it drafts over the whole vocabulary through the target's head, whose rows for the
-    store's draft ids it continues from (`family.head_on_map`), so its map would only widen every head trained beside
-    it."""
-    if (imported := imported_release(store)) is None or imported.get("format") == "dflash":
+    """(the imported release's own map, what was done and what it costs), None unless the release is an import whose
+    map is kept (`adopted_release_map`): an EAGLE-3 import's `lm_head` rows are trained for its own draft ids, and a
+    drafter is continued only on the map it was trained with. What it costs is its coverage of the store's loss tokens
+    (`freq`) against a fresh map's of `draft_vocab_size`. A DFlash import is not adopted: it drafts over the whole
+    vocabulary through the target's head, whose rows for the store's draft ids it continues from
+    (`family.head_on_map`), so its map would only widen every head trained beside it."""
+    if (adopted := adopted_release_map(store)) is None:
         return None
-    own, source = release_vocab_map(store), imported["source"]
+    own, source = adopted
     fresh = coverage(build_vocab_map(freq, draft_vocab_size), freq)
     n = len(own.d2t)
     size = "" if n == draft_vocab_size else f" (not draft_vocab_size {draft_vocab_size}: its head has {n} rows)"

@@ -4,7 +4,7 @@ from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue, Resourc
 
 from eagle3_assets.defs.data.assets import tokenized, vocab_map
 from eagle3_assets.defs.failures import failures
-from eagle3_assets.drafter.imported_release import imported_release, release_vocab_map
+from eagle3_assets.drafter.imported_release import adopted_release_map
 from eagle3_assets.project import Project
 from eagle3_assets.reasoning import detect_format
 from eagle3_assets.reasoning_coverage import first_problems, reasoning_coverage
@@ -46,9 +46,9 @@ def vocab_map_invariant(project: ResourceParam[Project]) -> AssetCheckResult:
     with failures():
         vmap = VocabMap.load(project.store)
         target_vocab = project.target().vocab_size
-        # While the release is an imported drafter, the map is its own, of its size (`adopted_vocab_map`).
-        imported = imported_release(project.store) is not None
-        draft = len(release_vocab_map(project.store).d2t) if imported else project.settings.draft_vocab_size
+        # While the release is an import whose map is kept, the map is its own, of its size (`adopted_vocab_map`).
+        adopted = adopted_release_map(project.store)
+        draft = project.settings.draft_vocab_size if adopted is None else len(adopted[0].d2t)
     problems = vocab_map_problems(vmap, draft_vocab_size=draft, target_vocab_size=target_vocab)
     return AssetCheckResult(
         passed=not problems,
