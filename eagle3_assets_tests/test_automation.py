@@ -154,7 +154,7 @@ def test_each_cron_tick_requests_exactly_the_missing_and_failed_shards(tmp_path)
 
 # --- the rest of the graph: data assets, drafter, drafter_eval ----------------------------------
 
-bad_shards: set[str] = set()
+bad_shards: set[str] = set()  # the shards, and assets, whose blocking check fails
 
 
 def graph_defs(project: Project) -> Definitions:
@@ -177,11 +177,17 @@ def graph_defs(project: Project) -> Definitions:
 
     drafter = stand_in(project, "drafter", deps=[vocab_map, hidden_states], automation_condition=drafter_condition(project))
     drafter_eval = stand_in(project, "drafter_eval", deps=[drafter], automation_condition=drafter_eval_condition(project))
+
+    @asset_check(asset=drafter_eval, name="served_is_trained", blocking=True)
+    def served_is_trained() -> AssetCheckResult:
+        return AssetCheckResult(passed="drafter_eval" not in bad_shards)
+
     drafter_release = stand_in(
         project, "drafter_release", deps=[drafter_eval], automation_condition=drafter_release_condition(project)
     )
     return Definitions(
-        assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval, drafter_release], asset_checks=[shard_integrity]
+        assets=[tokenized, vocab_map, hidden_states, drafter, drafter_eval, drafter_release],
+        asset_checks=[shard_integrity, served_is_trained],
     )
 
 
@@ -229,6 +235,8 @@ def test_drafter_starts_when_its_shards_passed_their_checks_and_drafter_eval_and
         assert after([]) == []  # requested once
         # A retrain is evaluated, then released by itself (when it is no worse: `drafter_release`'s check).
         assert after(["drafter"]) == ["drafter_eval"]
+        # Served otherwise than it trained (its blocking check failed): nothing is released on its figures.
+        assert after(["drafter_eval"], bad="drafter_eval") == []
         assert after(["drafter_eval"]) == ["drafter_release"]
         assert after(["drafter_release"]) == []
 

@@ -6,10 +6,10 @@ check passed against that materialization: a shard missing, running, or failed i
 holds it back, as the drafter would refuse to train (`unusable_shards`). Rolling
 (`training.mode: rolling`) training consumes shards one by one as they pass their check,
 so it starts as soon as one shard has: the rest land while it trains.
-`drafter_eval` follows the drafter it evaluates, and `drafter_release` follows `drafter_eval`:
-an improving retrain is released by itself, a worse one fails the release's blocking check. Each runs
-again when it is due: made from other settings or inputs than the current ones (`defs/provenance.py`),
-once every input is current.
+`drafter_eval` follows the drafter it evaluates, and `drafter_release` follows each `drafter_eval`
+whose blocking check passed: an improving retrain is released by itself, a worse one fails the
+release's blocking check. Each runs again when it is due: made from other settings or inputs than
+the current ones (`defs/provenance.py`), once every input is current.
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ def _check_not_passed() -> AutomationCondition:
     return AutomationCondition.any_checks_match(~AutomationCondition.check_passed(), blocking_only=True)
 
 
+def _inputs_checked() -> AutomationCondition:
+    """Every input's blocking checks passed on its latest materialization: what failed one waits, and so do its
+    children (Dagster stops them only inside the run that failed it)."""
+    return ~AutomationCondition.any_deps_match(_check_not_passed()).with_label("any_deps_blocking_checks_not_passed")
+
+
 def drafter_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
     if project.settings.training.rolling:
         return _rolling_drafter_condition(project, door)
-    checked = ~AutomationCondition.any_deps_match(_check_not_passed()).with_label("any_deps_blocking_checks_not_passed")
-    return follows(project, inputs_current(project) & checked, door).with_label(
+    return follows(project, inputs_current(project) & _inputs_checked(), door).with_label(
         "due, with every shard current and checked, the vocab map too"
     )
 
@@ -69,4 +74,8 @@ def drafter_eval_condition(project: Project, door: StartDoor | None = None) -> A
 
 
 def drafter_release_condition(project: Project, door: StartDoor | None = None) -> AutomationCondition:
-    return follows(project, inputs_current(project), door).with_label("after each drafter_eval")
+    # An eval whose `served_is_trained` failed measured another drafter than the one trained: nothing is released on
+    # its figures.
+    return follows(project, inputs_current(project) & _inputs_checked(), door).with_label(
+        "after each drafter_eval whose checks passed"
+    )
