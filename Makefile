@@ -55,12 +55,14 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" eagle3_assets_tests
 
 # A drafter written by the real speculators package (PyPI 0.9.0) imports as the release and drafts exactly what
-# speculators' own forward drafts (test_drafter_import.py). speculators pins its own torch stack, so it runs from a
-# venv of its own, built here on first use (.peer/speculators/); `make test` runs the same import on a checkpoint
-# written in its layout by the test itself, and skips this one when that venv is absent.
+# speculators' own forward drafts (test_drafter_import.py), then goes through the whole graph: served alone,
+# continued, served beside its continuation and replaced by it (test_import_end_to_end.py). speculators pins its own
+# torch stack, so it runs from a venv of its own, built here on first use (.peer/speculators/); `make test` runs the
+# same import on a checkpoint written in its layout by the test itself, and skips these when that venv is absent.
 test-peer-import: install
 	bash benchmarks/peer/setup_speculators_venv.sh
-	$(BIN)/python -m pytest -q eagle3_assets_tests/test_drafter_import.py -k speculators_drafts
+	$(BIN)/python -m pytest -q eagle3_assets_tests/test_drafter_import.py eagle3_assets_tests/test_import_end_to_end.py \
+		-k "speculators_drafts or (gated and speculators)"
 
 ui: install
 	$(BIN)/python -m eagle3_assets.ui
@@ -70,7 +72,7 @@ bench: install
 
 # The full-size demo (exactly what `make demo` builds, killed once and resumed) held to the
 # quality bars of BENCHMARKS.md, with the off-by-one and topic-drift drafters; `make test` runs
-# the same module on a small demo. 14 minutes on 2 quiet cores (2026-12-04).
+# the same module on a small demo. 26 minutes on 2 quiet cores (2026-12-07).
 bench-demo: install
 	EAGLE3_DEMO_SIZE=full $(BIN)/python -m pytest -q --durations=10 eagle3_assets_tests/test_demo_quality.py
 

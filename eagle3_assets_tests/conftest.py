@@ -93,7 +93,7 @@ _test_seconds: dict[str, float] = {}
 LONGEST_FIRST = (
     "test_demo_quality.py", "test_provenance.py", "test_start.py", "test_rolling.py", "test_stop.py",
     "test_real_target.py", "test_vllm_cores.py", "test_ui.py", "test_vllm_servers.py", "test_drafter_vllm.py",
-    "test_demo_target.py", "test_automation.py", "test_vllm_extraction.py", "test_pipeline.py",
+    "test_import_end_to_end.py", "test_demo_target.py", "test_automation.py", "test_vllm_extraction.py", "test_pipeline.py",
 )  # fmt: skip
 
 

@@ -38,18 +38,19 @@ from .helpers import DRAFT_VOCAB, HIDDEN, VOCAB, random_rows, random_vocab_map, 
 K, MASK = 3, 5
 
 
-def published_dflash(out: Path, *, vocab: int = VOCAB, mask: int = MASK, seed: int = 0):
+def published_dflash(out: Path, *, vocab: int = VOCAB, mask: int = MASK, seed: int = 0, **shape):
     """A DFlash drafter saved in `out` by z-lab's own package: two Qwen3 layers reading the outputs of target layers
-    0, 1, 2 of a 4-layer target (the shards' aux ids 1, 2, 3), norms drawn away from one. Returns the model."""
+    0, 1, 2 of a 4-layer target (the shards' aux ids 1, 2, 3), norms drawn away from one; `shape` overrides the
+    layers' config (`intermediate_size`, `num_key_value_heads`, ...). Returns the model."""
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config
 
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False,
-        layer_types=["full_attention"] * 2, num_target_layers=4, block_size=K,
-        dflash_config={"mask_token_id": mask, "target_layer_ids": [0, 1, 2]},
-    )  # fmt: skip
+    config = Qwen3Config(**{
+        "vocab_size": vocab, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512, "tie_word_embeddings": False, "layer_types": ["full_attention"] * 2,
+        "num_target_layers": 4, "block_size": K, "dflash_config": {"mask_token_id": mask, "target_layer_ids": [0, 1, 2]},
+    } | shape)  # fmt: skip
     torch.manual_seed(seed)
     model = DFlashDraftModel(config).eval()
     with torch.no_grad():
