@@ -30,28 +30,25 @@ from typing import Any
 
 import torch
 
-from eagle3_assets.chat import generation_prompt_ids
 from eagle3_assets.drafter.acceptance import SPECULATIVE_TOKENS
 from eagle3_assets.drafter.checkpoint import latest_checkpoint, read_checkpoint_state
-from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB, PLAIN_RUN, load_eval_prompts, parting
-from eagle3_assets.drafter.served_passes import pass_args
+from eagle3_assets.drafter.evaluate import load_eval_prompts
 from eagle3_assets.drafter.export import EXPORT_DIR
 from eagle3_assets.drafter.family import DFlash, Family, family_of
 from eagle3_assets.drafter.selection import best_index
 from eagle3_assets.drafter.train import train_drafter
-from eagle3_assets.drafter.vllm_eval import generate_runs_in_subprocess
 from eagle3_assets.project import Project
 from eagle3_assets.families import family_spec
 from eagle3_assets.settings import CONFIG_ENV, Settings, demo_settings, load_settings
 from eagle3_assets.storage import ArtifactStore
-from eagle3_assets.target import TargetModel, load_tokenizer
+from eagle3_assets.target import TargetModel
 from eagle3_assets.tokenized import TokenizedSet
 from eagle3_assets.vocab_map import VocabMap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
 
 from convert_shards import convert  # noqa: E402
-from drafter_runs import extra_eval_prompts  # noqa: E402
+from drafter_runs import extra_eval_prompts, serve  # noqa: E402
 from speculators_runs import ensure_peer_venv, planned_tokens_per_step, train_speculators  # noqa: E402
 
 # name -> (family, overrides by settings section), each over the demo's settings; a family trains by its own recipe
@@ -195,27 +192,24 @@ def main(argv: list[str]) -> int:
     prompts = load_eval_prompts(store)
     if args.extra:
         prompts += extra_eval_prompts(settings.demo, args.extra)
-    tokenizer = load_tokenizer(target)
-    prompt_ids = [generation_prompt_ids(tokenizer, p.messages) for p in prompts]
     max_tokens = settings.generation.max_new_tokens
-    served = [(name, k) for name in rows for k in SPECULATIVE_TOKENS]
-    plain, *spec = generate_runs_in_subprocess(
-        project.target_dir(), prompt_ids,
-        [PLAIN_RUN] + [{"draft_dir": rows[n]["export"], "method": rows[n]["family"], "num_speculative_tokens": k} for n, k in served],
-        common=pass_args(target, settings, prompt_ids, max_tokens),
-    )  # fmt: skip
-    for (name, k), result in zip(served, spec, strict=True):
-        # Outputs that part from greedy's where greedy's choice was a near tie are the engine's float noise, as
-        # drafter_eval judges them; any other parting is a defect of the drafter's serving.
-        parted = {i: parting(plain, result, i) for i, out in enumerate(result.outputs) if out != plain.outputs[i]}
-        if defects := [(i, at) for i, (at, gap) in parted.items() if gap >= NEAR_TIE_LOGPROB]:
-            raise SystemExit(f"{name} k={k}: speculative output parts from greedy away from a near tie: {defects[:5]}")
-        rows[name][f"parted_at_near_ties_k{k}"] = len(parted)
-        rows[name][f"served_k{k}"] = round(result.mean_acceptance_length, 3)
-        rows[name][f"speedup_k{k}"] = round(result.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
+    exports = {name: Path(row["export"]) for name, row in rows.items()}
+    served = serve(target, project, exports, max_tokens, prompts=prompts,
+                   methods={name: row["family"] for name, row in rows.items()})  # fmt: skip
+    for name, figures in served.items():
+        for k in SPECULATIVE_TOKENS:
+            result = figures[f"k{k}"]
+            # A parting from greedy where greedy's choice was a near tie is the engine's float noise, as drafter_eval
+            # judges it; any other is a defect of the drafter's serving.
+            if result["parted"]:
+                raise SystemExit(f"{name} k={k}: speculative output parts from greedy away from a near tie: "
+                                 f"{result['parted'][:5]}")  # fmt: skip
+            rows[name][f"parted_at_near_ties_k{k}"] = result["parted_at_near_ties"]
+            rows[name][f"served_k{k}"] = round(result["mean_acceptance_length"], 3)
+            rows[name][f"speedup_k{k}"] = round(result["speedup"], 3)
     for row in rows.values():
         row.pop("export")
-    print(json.dumps({"prompts": len(prompt_ids), "max_tokens": max_tokens, "shards": len(keys), "variants": rows}, indent=1))
+    print(json.dumps({"prompts": len(prompts), "max_tokens": max_tokens, "shards": len(keys), "variants": rows}, indent=1))
     return 0
 
 

@@ -7,7 +7,7 @@ exactly `settings.steps` optimizer steps into a scratch store beside it (checkpo
 under a store) and exports it, timing every step in process CPU seconds. `serve(...)`
 decodes the held-out prompts (the store's, or those given) greedily with the target alone,
 with each drafter at k=3 and k=7, and optionally with vLLM's n-gram prompt lookup at the
-same k, in one vLLM interpreter, and checks that speculative output equals greedy.
+same k, in one vLLM interpreter, and reports where speculative output parts from greedy.
 Prompts render as `responses` and `drafter_eval` render them (chat-template kwargs included).
 """
 
@@ -26,7 +26,7 @@ from dagster import AssetKey
 
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.demo.prompts import demo_extra_eval_prompts
-from eagle3_assets.drafter.evaluate import eval_prompt_ids, load_eval_prompts
+from eagle3_assets.drafter.evaluate import NEAR_TIE_LOGPROB, PLAIN_RUN, eval_prompt_ids, load_eval_prompts, parting
 from eagle3_assets.drafter.served_passes import pass_args
 from eagle3_assets.drafter.export import EXPORT_DIR, export_drafter
 from eagle3_assets.drafter.train import train_drafter
@@ -180,17 +180,22 @@ def serve(
     *,
     prompts: list[Prompt] | None = None,
     ngram: tuple[int, int] | None = None,
+    methods: dict[str, str] | None = None,
 ) -> dict[str, dict]:
-    """label -> {"k3": {...}, "k7": {...}}: mean acceptance length, per position, drafts, greedy equality.
-    `ngram=(min, max)` adds vLLM's n-gram prompt lookup with that window as the contestant "ngram"."""
+    """label -> {"k3": {...}, "k7": {...}}: mean acceptance length, per position, drafts, decode speedup over the
+    plain pass of the same interpreter, and how its output parted from greedy: `outputs_match_greedy` (every output
+    equal), `parted_at_near_ties` (outputs that parted only where greedy's top two were a near tie: the engine's float
+    noise, as drafter_eval judges it) and `parted` ([prompt, position] of any other parting: a defect of the
+    drafter's serving). `methods` gives a drafter's vLLM method (default EAGLE-3's). `ngram=(min, max)` adds vLLM's
+    n-gram prompt lookup with that window as the contestant "ngram"."""
     prompt_ids, _ = eval_prompt_ids(
         load_tokenizer(target), prompts or load_eval_prompts(project.store), project.settings.generation.chat_template_kwargs
     )
-    specs = {n: {"draft_dir": d} for n, d in drafters.items()}
+    specs = {n: {"draft_dir": d} | ({"method": methods[n]} if methods and n in methods else {}) for n, d in drafters.items()}
     if ngram is not None:
         specs["ngram"] = {"method": "ngram", "prompt_lookup_min": ngram[0], "prompt_lookup_max": ngram[1]}
     names = list(specs)
-    runs = [{}] + [{**specs[n], "num_speculative_tokens": k} for n in names for k in KS]
+    runs = [PLAIN_RUN] + [{**specs[n], "num_speculative_tokens": k} for n in names for k in KS]
     log(f"serving {len(prompt_ids)} held-out prompts: plain + {', '.join(names)} at k={KS} ({len(runs)} engines)")
     plain, *spec = generate_runs_in_subprocess(
         target.path, prompt_ids, runs, common=pass_args(target, project.settings, prompt_ids, max_tokens), timeout_s=7200
@@ -201,11 +206,15 @@ def serve(
         out[n] = {}
         for k in KS:
             g = next(results)
+            partings = {i: parting(plain, g, i) for i, o in enumerate(g.outputs) if o != plain.outputs[i]}
             out[n][f"k{k}"] = {
                 "mean_acceptance_length": g.mean_acceptance_length,
                 "tokens_per_forward": g.tokens_per_forward,
                 "acceptance_per_position": g.acceptance_per_position,
                 "num_drafts": g.num_drafts,
-                "outputs_match_greedy": g.outputs == plain.outputs,
+                "speedup": g.decode_tokens_per_s / plain.decode_tokens_per_s,
+                "outputs_match_greedy": not partings,
+                "parted_at_near_ties": sum(gap < NEAR_TIE_LOGPROB for _, gap in partings.values()),
+                "parted": [[i, at] for i, (at, gap) in partings.items() if gap >= NEAR_TIE_LOGPROB],
             }
     return out
