@@ -31,7 +31,6 @@ from eagle3_assets.settings import DFlashSettings, TrainingSettings
 from eagle3_assets.start_from import StartFromSettings
 from eagle3_assets.vocab_map import VocabMap
 
-from .conftest import TINY_DEMO
 from .helpers import REPO, Operator, random_vocab_map, vllm_test_settings
 from .test_drafter_import import SPECULATORS_PYTHON
 from .test_dflash_import import published_dflash
@@ -53,10 +52,11 @@ def write_dflash(target_dir: Path, out: Path) -> FamilySpec:
 
 
 def write_speculators(target_dir: Path, out: Path) -> FamilySpec:
-    """speculators' own classes build and save an EAGLE-3 drafter for the tiny demo target, on a map of its own."""
+    """speculators' own classes build and save an EAGLE-3 drafter for the target (reading its aux layers 1-3), on a
+    draft vocabulary of its own."""
     if not SPECULATORS_PYTHON.exists():
         pytest.skip(f"no speculators venv at {SPECULATORS_PYTHON}: `make test-peer-import` builds it")
-    vmap = random_vocab_map(vocab=TINY_DEMO.vocab_size, seed=3)
+    vmap = random_vocab_map(vocab=json.loads((target_dir / "config.json").read_text())["vocab_size"], seed=3)
     np.save(out.with_name("d2t.npy"), vmap.d2t)
     np.save(out.with_name("t2d.npy"), vmap.t2d)
     subprocess.run(
