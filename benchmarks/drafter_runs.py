@@ -191,7 +191,8 @@ def serve(
     prompt_ids, _ = eval_prompt_ids(
         load_tokenizer(target), prompts or load_eval_prompts(project.store), project.settings.generation.chat_template_kwargs
     )
-    specs = {n: {"draft_dir": d} | ({"method": methods[n]} if methods and n in methods else {}) for n, d in drafters.items()}
+    methods = methods or {}
+    specs = {n: {"draft_dir": d} | ({"method": methods[n]} if n in methods else {}) for n, d in drafters.items()}
     if ngram is not None:
         specs["ngram"] = {"method": "ngram", "prompt_lookup_min": ngram[0], "prompt_lookup_max": ngram[1]}
     names = list(specs)
